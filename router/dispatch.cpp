@@ -1,0 +1,34 @@
+// dispatch.cpp: choose_peer (see dispatch.h).
+#include "router/dispatch.h"
+
+#include <limits>
+
+namespace swarm {
+
+double expected_ms(const Candidate& c, double units, double default_ms_per_unit) {
+  const double per = c.ms_per_unit > 0 ? c.ms_per_unit : default_ms_per_unit;
+  return (c.queued_units + units) * per;
+}
+
+int choose_peer(const std::vector<Candidate>& peers, double units, double affinity_units) {
+  // Peers not measured yet enter at the fastest measured speed, so they get tried.
+  double min_per = 0;
+  for (const auto& c : peers)
+    if (!c.excluded && c.ms_per_unit > 0 && (min_per == 0 || c.ms_per_unit < min_per)) min_per = c.ms_per_unit;
+  if (min_per == 0) min_per = 1.0;
+  int best = -1;
+  double best_ms = std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < peers.size(); ++i) {
+    const auto& c = peers[i];
+    if (c.excluded) continue;
+    const double ms = expected_ms(c, c.affinity ? affinity_units : units, min_per);
+    // Ties go to the earlier candidate (callers pass peers in a stable order).
+    if (ms < best_ms) {
+      best_ms = ms;
+      best = int(i);
+    }
+  }
+  return best;
+}
+
+}  // namespace swarm

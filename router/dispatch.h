@@ -1,0 +1,35 @@
+// dispatch.h: the dispatcher's decision, as a pure function of the candidates and the clock.
+//
+// Defines swarm::Candidate and `choose_peer`: among the live, unbanned peers of a stage, the
+// one with the least expected completion time, (queued work + this work) * seconds per unit
+// of work (an EMA of what the peer delivered; a peer not yet measured enters at the current
+// minimum so that it gets tried). A BACKWARD on the peer that ran the microbatch's forward
+// costs 2 units (its autograd graph is cached); anywhere else 3 (forward recomputed).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace swarm {
+
+struct Candidate {
+  std::string id;
+  double queued_units = 0;   // work already sent to it and not yet answered
+  double ms_per_unit = 0;    // 0: not measured yet
+  bool affinity = false;     // ran this microbatch's forward (backward only)
+  bool excluded = false;     // banned, or already failed this hop
+};
+
+constexpr double kForwardUnits = 1.0;
+constexpr double kBackwardCachedUnits = 2.0;
+constexpr double kBackwardRecomputeUnits = 3.0;
+constexpr double kForwardLossUnits = 3.0;
+
+// Returns the index of the chosen candidate, or -1 when none is eligible. `units` is the
+// cost of the hop on a peer without affinity; `affinity_units` on the affinity peer.
+int choose_peer(const std::vector<Candidate>& peers, double units, double affinity_units);
+
+// Expected seconds for `c` to finish `units` more work after its queue.
+double expected_ms(const Candidate& c, double units, double default_ms_per_unit);
+
+}  // namespace swarm

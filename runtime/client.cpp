@@ -1,0 +1,59 @@
+// client.cpp: the CLI's router session (see client.h).
+#include "runtime/client.h"
+
+#include <chrono>
+
+namespace swarm {
+
+using wire::Message;
+using wire::MsgType;
+
+Client::Client(const std::string& router, int timeout_ms) : router_(router), sock_(ctx_, zmq::socket_type::dealer) {
+  sock_.set(zmq::sockopt::linger, 0);
+  try {
+    sock_.connect(router);
+  } catch (const zmq::error_t& e) {
+    throw RouterUnreachable("cannot use router address '" + router + "': " + e.what() +
+                            " (expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555)");
+  }
+  Message hello(MsgType::kHello, next_id_++, 0, nlohmann::json{{"role", "client"}, {"version", wire::kVersion}});
+  request(std::move(hello), timeout_ms);
+}
+
+Client::~Client() {
+  try {
+    Message bye(MsgType::kBye);
+    wire::send(sock_, bye);
+  } catch (...) {
+  }
+}
+
+Message Client::request(Message req, int timeout_ms) {
+  if (req.id == 0) req.id = next_id_++;
+  const uint64_t id = req.id;
+  wire::send(sock_, req);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) break;
+    zmq::pollitem_t items[] = {{sock_.handle(), 0, ZMQ_POLLIN, 0}};
+    zmq::poll(items, 1, left);
+    if (!(items[0].revents & ZMQ_POLLIN)) continue;
+    auto r = wire::recv_frames(sock_, false, zmq::recv_flags::dontwait);
+    if (!r) continue;
+    Message m = wire::decode(r->frames);
+    if (m.type == MsgType::kHeartbeat) continue;
+    if (m.id != id) continue;
+    if (m.type == MsgType::kError)
+      throw RouterError(m.body.value("name", std::string("error")), m.body.value("message", std::string("the router refused the request")));
+    return m;
+  }
+  throw RouterUnreachable("no answer from a router at " + router_ + " within " + std::to_string(timeout_ms / 1000.0) +
+                          " s: is swarm-router running there (swarm-router --bind tcp://0.0.0.0:PORT) and reachable?");
+}
+
+nlohmann::json Client::request_body(MsgType type, nlohmann::json body, int timeout_ms) {
+  return request(Message(type, 0, 0, std::move(body)), timeout_ms).body;
+}
+
+}  // namespace swarm

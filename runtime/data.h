@@ -1,0 +1,49 @@
+// data.h: training data as tokens, the deterministic microbatch sampler and the unigram baseline.
+//
+// Defines swarm::TokenData (the whole token stream split into train and validation) and
+// `sample_microbatch`, which maps (seed, split, microbatch index) to the samples of that
+// microbatch. The router and the single-process reference both sample through it, so the
+// same job sees the same data in the same order wherever it runs, and a data position is just
+// the next microbatch index.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/job_spec.h"
+
+namespace swarm {
+
+class TokenData {
+ public:
+  // Loads data.paths as data.format ("text": every byte is a token; "bin": little-endian
+  // uint16 tokens, as nanoGPT's prepare scripts write). Throws SpecError on missing/empty files
+  // or when a split is too short for one sample of seq_len + 1 tokens.
+  static TokenData load(const DataSpec& data, int seq_len, int vocab_size);
+
+  const std::vector<int32_t>& train() const { return train_; }
+  const std::vector<int32_t>& val() const { return val_; }
+
+  // Entropy in nats per token of the validation split's own token frequencies.
+  double unigram_loss() const;
+
+ private:
+  std::vector<int32_t> train_, val_;
+};
+
+enum class Split { kTrain, kVal };
+
+// One microbatch: x and y are [samples, seq_len] row-major int32, y is x shifted by one.
+struct Microbatch {
+  int samples = 0;
+  int seq_len = 0;
+  std::vector<int32_t> x, y;
+};
+
+// Deterministic: sample s of microbatch `index` starts at an offset drawn from a counter-based
+// generator keyed by (seed, split, index, s). Validation microbatch i is always the same text.
+Microbatch sample_microbatch(const TokenData& data, Split split, uint64_t seed, uint64_t index,
+                             int samples, int seq_len);
+
+}  // namespace swarm

@@ -1,0 +1,114 @@
+// job_spec.h: the job a user submits (JSON), parsed and validated.
+//
+// Defines swarm::JobSpec and its parts, `parse_job_spec` (JSON text or object -> JobSpec,
+// throwing SpecError with a message that says what to change) and `to_json` (JobSpec ->
+// canonical JSON with every default filled in; the router sends that to peers).
+// Every field, its default and its rules are in docs/job-spec.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace swarm {
+
+struct ModelSpec {
+  int vocab_size = 256;      // 256 for text read as bytes
+  int d_model = 128;
+  int n_head = 4;
+  int n_layer = 4;
+  int seq_len = 128;         // tokens per sample during training
+  int max_seq_len = 0;       // positions in wpe; 0 -> seq_len. seq_len must be <= max_seq_len
+  bool bias = true;          // biases in Linear and LayerNorm, as nanoGPT's default
+};
+
+struct PartitionSpec {
+  int stages = 1;                        // S
+  std::vector<int> layers_per_stage;     // size S, sums to n_layer, each >= 1; filled by parse
+};
+
+struct DataSpec {
+  std::string format = "text";           // "text" (bytes, vocab 256) or "bin" (uint16 tokens)
+  std::vector<std::string> paths;        // "path": a string or a list; read in order, concatenated
+  double val_fraction = 0.1;             // the last fraction of the tokens is the validation split
+};
+
+struct BatchSpec {
+  int batch_size = 32;       // samples per optimizer step of the job
+  int microbatch_size = 8;   // samples per microbatch (one pipeline hop); divides batch_size
+  int inner_batch = 0;       // async: samples a peer accumulates before its optimizer step; 0 -> batch_size
+};
+
+struct OptimizerSpec {     // inner AdamW with linear warmup then cosine decay to min_lr
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int warmup_steps = 10;
+  double weight_decay = 0.1;  // on matrices (dim >= 2) only, as nanoGPT
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;     // max L2 norm of the stage's gradient; 0 disables
+};
+
+// The within-stage round: every `inner_steps` job steps each stage group averages its peers'
+// outer gradients (theta_global - theta_local), weighted by samples, and applies one outer SGD
+// step. With outer_lr 1 and outer_momentum 0 that is a plain sample-weighted average.
+struct DilocoSpec {
+  int inner_steps = 10;        // H
+  double outer_lr = 0.7;
+  double outer_momentum = 0.9;
+  bool nesterov = true;
+  double deadline_s = 30.0;    // a round ignores contributions that arrive later
+};
+
+struct CompressionSpec {       // codec names as compression/codec.h parses them ("fp32", "bf16", "int8:block=64", ...)
+  std::string activations = "fp32";
+  std::string gradients = "fp32";
+  std::string outer = "fp32";
+};
+
+struct EvalSpec {
+  int every_steps = 0;       // 0 -> only at the end
+  int batches = 8;           // validation microbatches per evaluation
+};
+
+struct TimeoutSpec {
+  double forward_s = 30.0;   // the least deadline of one forward hop; grows with a peer's measured time
+  double backward_s = 60.0;
+  int max_attempts = 8;      // attempts per hop before the job fails
+};
+
+struct JobSpec {
+  std::string name = "job";
+  uint64_t seed = 1;
+  int steps = 100;                 // optimizer steps of the job (each batch_size samples)
+  std::string schedule = "async";  // "async" (no barrier) or "sync" (flush at every step; exact)
+  int max_inflight = 0;            // microbatches in flight at once; 0 -> 2 * stages
+  ModelSpec model;
+  PartitionSpec partition;
+  DataSpec data;
+  BatchSpec batch;
+  OptimizerSpec optimizer;
+  DilocoSpec diloco;
+  CompressionSpec compression;
+  EvalSpec eval;
+  TimeoutSpec timeouts;
+
+  // Derived helpers.
+  int microbatches_per_step() const { return batch.batch_size / batch.microbatch_size; }
+  int first_layer(int stage) const;   // index of the stage's first transformer block
+};
+
+// Parses and validates. Throws SpecError naming the field and what to change. Checks files
+// exist and are readable (data.paths) when `check_files` is true.
+JobSpec parse_job_spec(const nlohmann::json& j, bool check_files = true);
+JobSpec parse_job_spec_text(const std::string& text, bool check_files = true);
+nlohmann::json to_json(const JobSpec& spec);
+
+// Field-by-field equality (through the canonical JSON), e.g. to check that peers run the same job.
+bool operator==(const JobSpec& a, const JobSpec& b);
+inline bool operator!=(const JobSpec& a, const JobSpec& b) { return !(a == b); }
+
+}  // namespace swarm

@@ -1,0 +1,130 @@
+// wire.h: swarm wire protocol v1 over ZeroMQ multipart messages (docs/protocol.md).
+//
+// A message is: frame 0, the envelope, a msgpack array [magic "SWRM", version, type, id,
+// attempt]; frame 1, the body, a msgpack map; frames 2.., raw tensor payloads, each described
+// in body["tensors"][i] by dtype, shape, codec, byte length and XXH3-64 checksum.
+//
+// Defines swarm::wire::Message (envelope + JSON-like body + tensors), `encode` (Message ->
+// frames), `decode` (frames -> Message, validating every limit of runtime/limits.h before it
+// allocates, throwing WireError), and `send`/`recv` over a zmq socket. Tensor payloads are
+// zmq::message_t, so a router forwards them without copying (zmq_msg_copy shares the buffer).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <zmq.hpp>
+
+#include "compression/codec.h"
+#include "runtime/errors.h"
+
+namespace swarm::wire {
+
+constexpr const char* kMagic = "SWRM";
+constexpr int kVersion = 1;
+
+enum class MsgType : int {
+  // Session (both directions).
+  kHello = 1,       // first message of every session: {role, version, peer fields...}
+  kWelcome = 2,     // router -> HELLO sender: {peer_id, heartbeat_ms, stage?}
+  kHeartbeat = 3,   // peer -> router: {stage, busy, throughput...}; router -> peer: liveness
+  kBye = 4,         // either side: clean goodbye
+  kError = 5,       // {code, name, message}; id/attempt echo the offending request
+  // Router -> stage server.
+  kLoadStage = 10,  // {job_id, stage, spec}; reply kStageReady
+  kStageReady = 11, // {job_id, stage, params, device, fwd_ms}
+  kForward = 20,    // tensors [input]; reply kResult tensors [output]
+  kForwardLoss = 21,// last stage: tensors [input, targets]; reply kResult {loss} tensors [grad_input?]
+  kBackward = 22,   // tensors [input, grad_output]; reply kResult tensors [grad_input?]
+  kEval = 23,       // forward only; last stage: tensors [input, targets] -> {loss}; else [output]
+  kResult = 24,     // reply to 20..23: {mb, stage, samples, compute_ms, loss?, cached?}
+  kStep = 25,       // sync schedule: {samples} -> take an optimizer step now; reply kResult
+  kRoundBegin = 30, // {round, stage}: send your outer gradient; reply kRoundDelta
+  kRoundDelta = 31, // {round, samples, codec}; tensors [delta] (flat fp32 of all parameters)
+  kRoundApply = 32, // {round, contributors, outer_lr...}; tensors [mean delta] -> apply; reply kRoundDone
+  kRoundDone = 33,  // {round, hash}
+  kStateRequest = 34, // router -> donor: send theta_g and outer momentum; reply kStateReply
+  kStateReply = 35,   // tensors [theta_g, momentum] and {round}
+  kStateLoad = 36,    // router -> joiner: tensors [theta_g, momentum]; reply kRoundDone
+  // Client (CLI) -> router.
+  kSubmit = 50,     // {spec}; reply kSubmitted {job_id} or kError
+  kSubmitted = 51,
+  kStatus = 52,     // {job_id?}; reply kStatusReply {...}
+  kStatusReply = 53,
+  kCancel = 54,     // {job_id}; reply kStatusReply
+  kPeers = 55,      // reply kPeersReply {peers: [...]}
+  kPeersReply = 56,
+};
+const char* msg_type_name(MsgType t);
+bool known_type(int t);
+
+enum class DType : int { kF32 = 0, kI32 = 1, kU16 = 2 };
+const char* dtype_name(DType d);
+size_t dtype_bytes(DType d);
+
+// What a tensor frame holds. Float tensors (kF32) travel through a codec; integer tensors
+// (tokens) travel raw with codec "raw".
+struct TensorDesc {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  compression::CodecSpec codec;   // ignored for integer dtypes
+  uint64_t nbytes = 0;
+  uint64_t checksum = 0;          // XXH3-64 of the payload bytes, seed 0
+  int64_t numel() const;
+};
+
+struct Tensor {
+  TensorDesc desc;
+  zmq::message_t data;            // exactly desc.nbytes bytes
+};
+
+struct Message {
+  MsgType type = MsgType::kHeartbeat;
+  uint64_t id = 0;        // request id, echoed by its reply
+  uint32_t attempt = 0;   // attempt number of the request, echoed by its reply
+  nlohmann::json body = nlohmann::json::object();
+  std::vector<Tensor> tensors;
+
+  Message() = default;
+  Message(MsgType t, uint64_t id_ = 0, uint32_t attempt_ = 0,
+          nlohmann::json b = nlohmann::json::object())
+      : type(t), id(id_), attempt(attempt_), body(std::move(b)) {}
+  Message(Message&&) = default;
+  Message& operator=(Message&&) = default;
+};
+
+uint64_t checksum(const void* data, size_t n);
+
+// A tensor frame for `n` bytes to be filled by the caller; call `seal` after filling.
+Tensor make_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec,
+                   size_t nbytes);
+void seal(Tensor& t);   // computes the checksum
+// A shared (zero-copy) copy of a tensor frame: the payload buffer is reference counted.
+Tensor share(Tensor& t);
+
+// Frames -> Message. Validates magic, version, type, frame counts, sizes against limits,
+// every tensor description against its frame and codec, and checksums (when verify is true).
+// Throws WireError; never crashes on any input.
+Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums = true);
+// Message -> frames (moves the tensor payloads out of `m`).
+std::vector<zmq::message_t> encode(Message& m);
+
+// Receives one multipart message. With a ROUTER socket the first frame is the sender's
+// routing id, returned in `route`. Returns nullopt when nothing arrived (non-blocking sockets
+// or timeouts). Throws WireError for what cannot be parsed; the frames are consumed either way.
+struct Received {
+  std::string route;
+  std::vector<zmq::message_t> frames;
+};
+std::optional<Received> recv_frames(zmq::socket_t& s, bool with_route, zmq::recv_flags flags);
+// Sends m (prefixing the routing id when `route` is non-null). Returns false when the peer is
+// unreachable (ROUTER_MANDATORY) or the send would block.
+bool send(zmq::socket_t& s, Message& m, const std::string* route = nullptr);
+
+// An ERROR message answering `req`.
+Message error_reply(const Message* req, WireErrc code, const std::string& text);
+
+}  // namespace swarm::wire

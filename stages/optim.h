@@ -1,0 +1,64 @@
+// optim.h: the inner optimizer of a stage: AdamW with linear warmup then cosine decay.
+//
+// Defines swarm::AdamW over a stage's parameters and `lr_at`. Written out by hand (not
+// torch::optim) so its state is plain named tensors for checkpoints and the same on every
+// libtorch version. Gradients arrive as sums over samples; `step(samples)` divides by the
+// sample count, clips the stage's gradient to grad_clip (L2 norm over this stage's parameters:
+// a pipeline cannot see the whole model's norm without another round trip), updates, and
+// zeroes the gradients.
+//
+// The update is torch.optim.AdamW's (bias-corrected moments; decoupled weight decay
+// p *= 1 - lr * weight_decay on tensors with dim >= 2 only, as nanoGPT's groups), and clipping
+// is torch.nn.utils.clip_grad_norm_'s (scale by grad_clip / (norm + 1e-6) when below 1).
+// Parameters are updated in place through their `.data()` alias under NoGradGuard, so their
+// autograd version counters do not move: a graph built before a step (the stage server's
+// affinity cache) still runs backward after it, with the updated values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "runtime/job_spec.h"
+
+namespace swarm {
+
+// Learning rate of optimizer step `step` (0-based) of a job of `total_steps`:
+// lr * (step + 1) / warmup_steps for step < warmup_steps, then a cosine from lr (at step
+// warmup_steps) down to min_lr (at step total_steps - 1, and after).
+double lr_at(const OptimizerSpec& opt, int64_t step, int64_t total_steps);
+
+class AdamW {
+ public:
+  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, OptimizerSpec opt,
+        int64_t total_steps);
+
+  // One update with the gradients accumulated in the parameters' .grad(), which hold sums
+  // over `samples` samples. Returns the gradient norm before clipping (of the mean gradient).
+  // Parameters without a gradient are left alone (no decay either), as torch does.
+  double step(int64_t samples);
+  // Drops the gradients (sets them undefined, as torch 2.x's zero_grad).
+  void zero_grad();
+  int64_t steps_taken() const { return t_; }
+  // The learning rate the next step() will use.
+  double next_lr() const { return lr_at(opt_, t_, total_steps_); }
+
+  // State for checkpoints and donors: "<param>.exp_avg", "<param>.exp_avg_sq" (copies, on the
+  // parameters' device), and "step" (int64 scalar on the CPU). load_state takes the same
+  // names (any device) and throws InputError when a name is missing or a shape differs.
+  std::vector<std::pair<std::string, torch::Tensor>> state() const;
+  void load_state(const std::vector<std::pair<std::string, torch::Tensor>>& state);
+
+ private:
+  std::vector<std::pair<std::string, torch::Tensor>> params_;
+  std::vector<torch::Tensor> m_, v_;
+  std::vector<bool> decay_;
+  OptimizerSpec opt_;
+  int64_t total_steps_;
+  int64_t t_ = 0;
+};
+
+}  // namespace swarm

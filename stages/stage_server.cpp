@@ -1,0 +1,625 @@
+// stage_server.cpp: the stage server (see stage_server.h).
+//
+// Two threads. The I/O thread owns the DEALER socket to the router: it sends HELLO and
+// heartbeats, decodes and validates every incoming message, answers session messages itself
+// and queues work for the compute thread; it reconnects when the router goes silent. The
+// compute thread owns the model: it runs forwards and backwards, the inner optimizer and the
+// peer's side of the within-stage round, and sends its replies back through an inproc pipe so
+// that only the I/O thread touches the network socket.
+#include "stages/stage_server.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cmath>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "compression/codec.h"
+#include "runtime/job_spec.h"
+#include "runtime/log.h"
+#include "runtime/wire.h"
+#include "stages/model.h"
+#include "stages/optim.h"
+#include "stages/tensor_codec.h"
+
+namespace swarm {
+
+using nlohmann::json;
+using wire::Message;
+using wire::MsgType;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// What the compute thread tells the I/O thread for heartbeats.
+struct SharedStats {
+  std::atomic<int> stage{-1};
+  std::atomic<uint64_t> job_id{0};
+  std::atomic<bool> ready{false};
+  std::atomic<double> ms_per_unit{0};
+  std::atomic<uint64_t> forwards{0}, backwards{0}, cache_hits{0}, recomputes{0}, steps{0}, errors{0};
+};
+
+// Work queue from the I/O thread to the compute thread.
+class Inbox {
+ public:
+  void push(Message m) {
+    { std::lock_guard<std::mutex> l(mu_); q_.push_back(std::move(m)); }
+    cv_.notify_one();
+  }
+  bool pop(Message* out, std::atomic<bool>& stop) {
+    std::unique_lock<std::mutex> l(mu_);
+    while (q_.empty()) {
+      if (stop) return false;
+      cv_.wait_for(l, std::chrono::milliseconds(100));
+    }
+    *out = std::move(q_.front());
+    q_.pop_front();
+    return true;
+  }
+  void clear() { std::lock_guard<std::mutex> l(mu_); q_.clear(); }
+  size_t size() { std::lock_guard<std::mutex> l(mu_); return q_.size(); }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Message> q_;
+};
+
+// A forward's autograd graph, kept so the BACKWARD of the same microbatch skips the recompute.
+struct CacheEntry {
+  uint64_t mb = 0;
+  uint64_t input_checksum = 0;  // the backward must carry exactly the input this graph saw
+  torch::Tensor input, output;
+  Clock::time_point at;
+};
+
+// The compute side: model, optimizer, round state.
+class Worker {
+ public:
+  Worker(const StageOptions& opt, SharedStats& stats) : opt_(opt), stats_(stats) {}
+
+  // Handles one request; returns the reply (an ERROR for bad input).
+  Message handle(Message& req) {
+    const auto t0 = Clock::now();
+    try {
+      Message rep = dispatch(req);
+      double units = work_units(req.type, rep);
+      if (units > 0) {
+        pad_for_emulation(t0);
+        const double ms = ms_since(t0);
+        rep.body["compute_ms"] = ms;
+        const double per = ms / units;
+        const double old = stats_.ms_per_unit.load();
+        stats_.ms_per_unit = old == 0 ? per : 0.9 * old + 0.1 * per;
+      }
+      return rep;
+    } catch (const WireError& e) {
+      stats_.errors++;
+      return wire::error_reply(&req, e.code(), e.what());
+    } catch (const InputError& e) {
+      stats_.errors++;
+      return wire::error_reply(&req, WireErrc::kBadTensor, e.what());
+    } catch (const std::exception& e) {
+      // A torch error on a tensor a peer sent us (shape mismatch, ...): the request is bad,
+      // the process is fine.
+      stats_.errors++;
+      return wire::error_reply(&req, WireErrc::kBadTensor, std::string("compute failed: ") + e.what());
+    }
+  }
+
+ private:
+  Message dispatch(Message& req) {
+    if (opt_.echo) return echo(req);
+    switch (req.type) {
+      case MsgType::kLoadStage: return load(req);
+      default: break;
+    }
+    if (!model_) throw WireError(WireErrc::kOutOfOrder, std::string(wire::msg_type_name(req.type)) + " before LOAD_STAGE");
+    check_job(req);
+    switch (req.type) {
+      case MsgType::kForward: return forward(req, /*eval=*/false);
+      case MsgType::kEval: return forward(req, /*eval=*/true);
+      case MsgType::kForwardLoss: return forward_loss(req);
+      case MsgType::kBackward: return backward(req);
+      case MsgType::kStep: return step(req);
+      case MsgType::kRoundBegin: return round_begin(req);
+      case MsgType::kRoundApply: return round_apply(req);
+      case MsgType::kStateRequest: return state_request(req);
+      case MsgType::kStateLoad: return state_load(req);
+      default:
+        throw WireError(WireErrc::kOutOfOrder, std::string("a stage server does not take ") + wire::msg_type_name(req.type));
+    }
+  }
+
+  static double work_units(MsgType t, const Message& rep) {
+    if (rep.type == MsgType::kError) return 0;
+    switch (t) {
+      case MsgType::kForward: case MsgType::kEval: return 1;
+      case MsgType::kForwardLoss: return 3;
+      case MsgType::kBackward: return rep.body.value("cached", false) ? 2 : 3;
+      default: return 0;
+    }
+  }
+
+  void pad_for_emulation(Clock::time_point t0) {
+    if (opt_.emulate <= 1.0) return;
+    const double spent = ms_since(t0);
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(spent * (opt_.emulate - 1.0)));
+  }
+
+  Message echo(Message& req) {
+    if (req.type == MsgType::kLoadStage) return Message(MsgType::kStageReady, req.id, req.attempt, json{{"echo", true}});
+    Message rep(MsgType::kResult, req.id, req.attempt, json{{"mb", req.body.value("mb", uint64_t(0))}});
+    rep.tensors = std::move(req.tensors);  // the very bytes that came in
+    return rep;
+  }
+
+  void check_job(const Message& req) {
+    const uint64_t job = req.body.value("job_id", uint64_t(0));
+    if (job != job_id_) throw WireError(WireErrc::kOutOfOrder, "request for job " + std::to_string(job) + " but this peer serves job " + std::to_string(job_id_));
+  }
+
+  Message load(Message& req) {
+    const uint64_t job = req.body.at("job_id").get<uint64_t>();
+    const int stage = req.body.at("stage").get<int>();
+    JobSpec spec = parse_job_spec(req.body.at("spec"), /*check_files=*/false);
+    if (stage < 0 || stage >= spec.partition.stages) throw WireError(WireErrc::kMalformed, "stage out of range");
+    stats_.ready = false;
+    cache_.clear();
+    spec_ = spec;
+    job_id_ = job;
+    stage_ = stage;
+    act_codec_ = compression::parse_codec(spec.compression.activations);
+    grad_codec_ = compression::parse_codec(spec.compression.gradients);
+    outer_codec_ = compression::parse_codec(spec.compression.outer);
+    torch::Device dev(opt_.device == "cuda" ? std::string("cuda:0") : opt_.device);
+    model_ = std::make_unique<StageModel>(spec.model, stage, spec.partition.stages, spec.first_layer(stage),
+                                          spec.partition.layers_per_stage[stage], spec.seed, dev);
+    optim_ = std::make_unique<AdamW>(model_->named_parameters(), spec.optimizer, spec.steps);
+    theta_g_ = flatten();
+    momentum_.assign(theta_g_.size(), 0.f);
+    accum_samples_ = 0;
+    round_samples_ = 0;
+    const double fwd_ms = measure();
+    stats_.stage = stage;
+    stats_.job_id = job;
+    stats_.ready = true;
+    log_info("stage", "loaded stage " + std::to_string(stage) + " of job " + std::to_string(job) + ": " +
+                          std::to_string(model_->num_parameters()) + " parameters, " + std::to_string(fwd_ms) + " ms per forward");
+    return Message(MsgType::kStageReady, req.id, req.attempt,
+                   json{{"job_id", job}, {"stage", stage}, {"params", model_->num_parameters()}, {"fwd_ms", fwd_ms},
+                        {"hash", state_hash()}});
+  }
+
+  // One forward and backward at the job's microbatch shape: the peer's first throughput figure.
+  double measure() {
+    const int B = spec_.batch.microbatch_size, T = spec_.model.seq_len;
+    torch::Tensor in = model_->is_first()
+                           ? torch::zeros({B, T}, torch::kInt64).to(model_->device())
+                           : torch::zeros({B, T, spec_.model.d_model}).to(model_->device()).requires_grad_(true);
+    const auto t0 = Clock::now();
+    torch::Tensor out = model_->forward(in);
+    const double fwd = ms_since(t0);
+    out.sum().backward();
+    optim_->zero_grad();
+    const double ms = ms_since(t0) * opt_.emulate;
+    stats_.ms_per_unit = ms / 3.0;
+    return fwd * opt_.emulate;
+  }
+
+  torch::Tensor input_tensor(const wire::Tensor& t) {
+    const int B = spec_.batch.microbatch_size;
+    (void)B;
+    if (model_->is_first()) {
+      torch::Tensor x = from_wire(t, 2);
+      if (t.desc.dtype == wire::DType::kF32) throw WireError(WireErrc::kBadTensor, "stage 0 takes token ids, not floats");
+      if (x.size(1) > spec_.model.max_seq_len) throw WireError(WireErrc::kBadTensor, "sequence longer than the model's maximum");
+      if (x.numel() && (x.min().item<int64_t>() < 0 || x.max().item<int64_t>() >= spec_.model.vocab_size))
+        throw WireError(WireErrc::kBadTensor, "token id outside the vocabulary");
+      return x.to(model_->device());
+    }
+    torch::Tensor a = from_wire(t, 3, spec_.model.d_model);
+    if (!torch::isfinite(a).all().item<bool>()) throw WireError(WireErrc::kBadTensor, "non-finite values in the stage input");
+    return a.to(model_->device());
+  }
+
+  torch::Tensor targets_tensor(const wire::Tensor& t, const torch::Tensor& input) {
+    torch::Tensor y = from_wire(t, 2);
+    if (y.size(0) != input.size(0) || y.size(1) != input.size(1)) throw WireError(WireErrc::kBadTensor, "targets do not match the input's [B, T]");
+    if (y.numel() && (y.min().item<int64_t>() < 0 || y.max().item<int64_t>() >= spec_.model.vocab_size))
+      throw WireError(WireErrc::kBadTensor, "target id outside the vocabulary");
+    return y.to(model_->device());
+  }
+
+  void need_tensors(const Message& req, size_t n) {
+    if (req.tensors.size() != n)
+      throw WireError(WireErrc::kMalformed, std::string(wire::msg_type_name(req.type)) + " carries " + std::to_string(n) + " tensor(s), got " + std::to_string(req.tensors.size()));
+  }
+
+  Message result(const Message& req, json body) {
+    body["mb"] = req.body.value("mb", uint64_t(0));
+    body["stage"] = stage_;
+    return Message(MsgType::kResult, req.id, req.attempt, std::move(body));
+  }
+
+  Message forward(Message& req, bool eval) {
+    const bool last = model_->is_last();
+    need_tensors(req, eval && last ? 2 : 1);
+    torch::Tensor x = input_tensor(req.tensors[0]);
+    if (eval) {
+      torch::NoGradGuard ng;
+      torch::Tensor out = model_->forward(x);
+      if (last) {
+        torch::Tensor y = targets_tensor(req.tensors[1], x);
+        const double loss = StageModel::loss(out, y).item<double>();
+        return result(req, json{{"loss", loss}});
+      }
+      Message rep = result(req, json::object());
+      rep.tensors.push_back(to_wire(out, act_codec_));
+      return rep;
+    }
+    if (last) throw WireError(WireErrc::kOutOfOrder, "the last stage takes FORWARD_LOSS, not FORWARD");
+    stats_.forwards++;
+    if (!model_->is_first()) x.requires_grad_(true);
+    torch::Tensor out = model_->forward(x);
+    Message rep = result(req, json::object());
+    rep.tensors.push_back(to_wire(out, act_codec_));
+    remember(req.body.value("mb", uint64_t(0)), req.tensors[0].desc.checksum, x, out);
+    return rep;
+  }
+
+  void remember(uint64_t mb, uint64_t checksum, torch::Tensor x, torch::Tensor out) {
+    const auto now = Clock::now();
+    for (auto it = cache_.begin(); it != cache_.end();) {
+      if (it->mb == mb || std::chrono::duration<double>(now - it->at).count() > opt_.cache_ttl_s) it = cache_.erase(it);
+      else ++it;
+    }
+    while (cache_.size() >= opt_.cache_entries) cache_.pop_front();
+    cache_.push_back(CacheEntry{mb, checksum, std::move(x), std::move(out), now});
+  }
+
+  Message forward_loss(Message& req) {
+    if (!model_->is_last()) throw WireError(WireErrc::kOutOfOrder, "FORWARD_LOSS goes to the last stage");
+    need_tensors(req, 2);
+    torch::Tensor x = input_tensor(req.tensors[0]);
+    torch::Tensor y = targets_tensor(req.tensors[1], x);
+    const int64_t samples = x.size(0);
+    if (!model_->is_first()) x.requires_grad_(true);
+    torch::Tensor loss = StageModel::loss(model_->forward(x), y);
+    (loss * double(samples)).backward();
+    stats_.backwards++;
+    Message rep = result(req, json{{"loss", loss.item<double>()}, {"samples", samples}});
+    if (!model_->is_first()) rep.tensors.push_back(to_wire(x.grad(), grad_codec_));
+    accumulate(samples);
+    return rep;
+  }
+
+  Message backward(Message& req) {
+    if (model_->is_last()) throw WireError(WireErrc::kOutOfOrder, "the last stage runs its backward inside FORWARD_LOSS");
+    need_tensors(req, 2);
+    const uint64_t mb = req.body.value("mb", uint64_t(0));
+    torch::Tensor g = from_wire(req.tensors[1], 3, spec_.model.d_model);
+    if (!torch::isfinite(g).all().item<bool>()) throw WireError(WireErrc::kBadTensor, "non-finite values in the output gradient");
+    torch::Tensor x, out;
+    bool cached = false;
+    for (auto it = cache_.begin(); it != cache_.end(); ++it) {
+      if (it->mb == mb && it->input_checksum == req.tensors[0].desc.checksum) {
+        x = it->input;
+        out = it->output;
+        cache_.erase(it);
+        cached = true;
+        break;
+      }
+    }
+    if (!cached) {
+      x = input_tensor(req.tensors[0]);
+      if (!model_->is_first()) x.requires_grad_(true);
+      out = model_->forward(x);
+      stats_.recomputes++;
+    } else {
+      stats_.cache_hits++;
+    }
+    g = g.to(out.device());
+    if (g.sizes() != out.sizes()) throw WireError(WireErrc::kBadTensor, "output gradient shape does not match the stage output");
+    out.backward(g);
+    stats_.backwards++;
+    const int64_t samples = x.size(0);
+    Message rep = result(req, json{{"cached", cached}, {"samples", samples}});
+    if (!model_->is_first()) rep.tensors.push_back(to_wire(x.grad(), grad_codec_));
+    accumulate(samples);
+    return rep;
+  }
+
+  // Async: a peer steps on its own once it has accumulated inner_batch samples.
+  void accumulate(int64_t samples) {
+    accum_samples_ += samples;
+    round_samples_ += samples;
+    const int inner = spec_.batch.inner_batch > 0 ? spec_.batch.inner_batch : spec_.batch.batch_size;
+    if (spec_.schedule == "async" && accum_samples_ >= inner) take_step();
+  }
+
+  void take_step() {
+    if (accum_samples_ == 0) return;
+    const double norm = optim_->step(accum_samples_);
+    log_debug("stage", "inner step " + std::to_string(optim_->steps_taken()) + " on " + std::to_string(accum_samples_) +
+                           " samples, gradient norm " + std::to_string(norm));
+    accum_samples_ = 0;
+    stats_.steps++;
+  }
+
+  Message step(Message& req) {
+    take_step();
+    return result(req, json{{"steps", optim_->steps_taken()}});
+  }
+
+  // --- the within-stage round (DiLoCo outer step) ---
+
+  std::vector<float> flatten() {
+    std::vector<float> flat;
+    flat.reserve(size_t(model_->num_parameters()));
+    for (const auto& [name, p] : model_->named_parameters()) {
+      torch::Tensor c = p.detach().to(torch::kCPU).to(torch::kFloat32).contiguous();
+      flat.insert(flat.end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+    }
+    return flat;
+  }
+
+  void load_flat(const std::vector<float>& flat) {
+    torch::NoGradGuard ng;
+    size_t off = 0;
+    for (const auto& [name, p] : model_->named_parameters()) {
+      const int64_t n = p.numel();
+      torch::Tensor src = torch::from_blob(const_cast<float*>(flat.data() + off), p.sizes(), torch::kFloat32);
+      p.detach().copy_(src.to(p.device()));
+      off += size_t(n);
+    }
+    SWARM_CHECK(off == flat.size(), "flat parameter vector size");
+  }
+
+  uint64_t state_hash() const {
+    const uint64_t a = wire::checksum(theta_g_.data(), theta_g_.size() * sizeof(float));
+    const uint64_t b = wire::checksum(momentum_.data(), momentum_.size() * sizeof(float));
+    return a ^ (b * 0x9E3779B97F4A7C15ull);
+  }
+
+  wire::Tensor flat_tensor(const std::vector<float>& v, const compression::CodecSpec& codec) {
+    torch::Tensor t = torch::from_blob(const_cast<float*>(v.data()), {int64_t(v.size())}, torch::kFloat32);
+    return to_wire(t, codec);
+  }
+
+  std::vector<float> flat_from_wire(const wire::Tensor& t) {
+    if (t.desc.dtype != wire::DType::kF32 || t.desc.shape.size() != 1 || t.desc.numel() != int64_t(theta_g_.size()))
+      throw WireError(WireErrc::kBadTensor, "flat parameter tensor of the wrong size for this stage");
+    std::vector<float> v(theta_g_.size());
+    try {
+      compression::decode(t.desc.codec, static_cast<const uint8_t*>(t.data.data()), t.data.size(), int64_t(v.size()), v.data());
+    } catch (const CodecError& e) {
+      throw WireError(WireErrc::kBadTensor, e.what());
+    }
+    for (float f : v)
+      if (!std::isfinite(f)) throw WireError(WireErrc::kBadTensor, "non-finite values in a parameter tensor");
+    return v;
+  }
+
+  Message round_begin(Message& req) {
+    std::vector<float> delta = flatten();
+    for (size_t i = 0; i < delta.size(); ++i) delta[i] = theta_g_[i] - delta[i];
+    Message rep(MsgType::kRoundDelta, req.id, req.attempt,
+                json{{"round", req.body.value("round", uint64_t(0))}, {"stage", stage_}, {"samples", round_samples_}});
+    rep.tensors.push_back(flat_tensor(delta, outer_codec_));
+    return rep;
+  }
+
+  // theta_g <- theta_g - lr * (nesterov ? d + mu * m : m) with m <- mu * m + d, in fp32 on the
+  // CPU through this one loop, so every peer of the group computes the same bits.
+  Message round_apply(Message& req) {
+    need_tensors(req, 1);
+    const std::vector<float> d = flat_from_wire(req.tensors[0]);
+    const float lr = float(spec_.diloco.outer_lr), mu = float(spec_.diloco.outer_momentum);
+    const bool nesterov = spec_.diloco.nesterov;
+    for (size_t i = 0; i < d.size(); ++i) {
+      const float m = mu * momentum_[i] + d[i];
+      momentum_[i] = m;
+      const float upd = nesterov ? d[i] + mu * m : m;
+      theta_g_[i] = theta_g_[i] - lr * upd;
+    }
+    load_flat(theta_g_);
+    round_samples_ = 0;
+    return Message(MsgType::kRoundDone, req.id, req.attempt,
+                   json{{"round", req.body.value("round", uint64_t(0))}, {"stage", stage_}, {"hash", state_hash()}});
+  }
+
+  Message state_request(Message& req) {
+    Message rep(MsgType::kStateReply, req.id, req.attempt, json{{"stage", stage_}, {"hash", state_hash()}});
+    rep.tensors.push_back(flat_tensor(theta_g_, compression::CodecSpec{}));
+    rep.tensors.push_back(flat_tensor(momentum_, compression::CodecSpec{}));
+    return rep;
+  }
+
+  Message state_load(Message& req) {
+    need_tensors(req, 2);
+    std::vector<float> tg = flat_from_wire(req.tensors[0]);
+    std::vector<float> m = flat_from_wire(req.tensors[1]);
+    theta_g_ = std::move(tg);
+    momentum_ = std::move(m);
+    load_flat(theta_g_);
+    round_samples_ = 0;
+    return Message(MsgType::kRoundDone, req.id, req.attempt, json{{"stage", stage_}, {"hash", state_hash()}});
+  }
+
+  const StageOptions& opt_;
+  SharedStats& stats_;
+  JobSpec spec_;
+  uint64_t job_id_ = 0;
+  int stage_ = -1;
+  compression::CodecSpec act_codec_, grad_codec_, outer_codec_;
+  std::unique_ptr<StageModel> model_;
+  std::unique_ptr<AdamW> optim_;
+  std::vector<float> theta_g_, momentum_;  // the group's global weights and outer momentum (fp32, CPU)
+  int64_t accum_samples_ = 0;              // samples in the gradients since the last inner step
+  int64_t round_samples_ = 0;              // samples since the last round
+  std::list<CacheEntry> cache_;
+};
+
+std::string default_name() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return std::string(host) + ":" + std::to_string(getpid());
+}
+
+std::string random_id() {
+  static const char* hex = "0123456789abcdef";
+  std::random_device rd;
+  std::string s = "p-";
+  for (int i = 0; i < 12; ++i) s += hex[rd() % 16];
+  return s;
+}
+
+}  // namespace
+
+int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
+  if (opt.threads > 0) {
+    torch::set_num_threads(opt.threads);
+  }
+  if (opt.device.rfind("cuda", 0) == 0 && !torch::cuda::is_available()) {
+    log_error("stage", "--device " + opt.device + " asked for, but this libtorch has no CUDA device available; use --device cpu");
+    return 2;
+  }
+  const std::string name = opt.name.empty() ? default_name() : opt.name;
+  const std::string routing_id = random_id();
+
+  zmq::context_t ctx(1);
+  zmq::socket_t to_io(ctx, zmq::socket_type::pair), from_worker(ctx, zmq::socket_type::pair);
+  from_worker.bind("inproc://replies");
+  to_io.connect("inproc://replies");
+
+  SharedStats stats;
+  Inbox inbox;
+  std::atomic<bool> worker_stop{false};
+  std::thread compute([&] {
+    Worker w(opt, stats);
+    Message req;
+    while (inbox.pop(&req, worker_stop)) {
+      Message rep = w.handle(req);
+      wire::send(to_io, rep);
+    }
+  });
+
+  auto make_socket = [&]() {
+    auto s = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
+    s->set(zmq::sockopt::routing_id, routing_id);
+    s->set(zmq::sockopt::linger, 0);
+    s->set(zmq::sockopt::sndhwm, 100000);
+    s->set(zmq::sockopt::rcvhwm, 100000);
+    s->connect(opt.router);
+    return s;
+  };
+  auto hello = [&](zmq::socket_t& s) {
+    Message h(MsgType::kHello, 0, 0,
+              json{{"role", "stage"}, {"version", wire::kVersion}, {"name", name}, {"device", opt.device},
+                   {"stage", opt.stage}, {"emulate", opt.emulate}, {"profile", opt.profile},
+                   {"threads", opt.threads}, {"pid", int(getpid())}, {"echo", opt.echo}});
+    wire::send(s, h);
+  };
+
+  std::unique_ptr<zmq::socket_t> sock = make_socket();
+  hello(*sock);
+  log_info("stage", name + " (" + routing_id + ") connecting to " + opt.router +
+                        (opt.emulate > 1 ? " [emulated " + (opt.profile.empty() ? std::to_string(opt.emulate) + "x slower" : opt.profile) + "]" : ""));
+  auto last_heard = Clock::now();
+  auto last_beat = Clock::now();
+  bool welcomed = false;
+  double backoff_s = 0.5;
+  const double silent_s = opt.liveness * opt.heartbeat_ms / 1000.0;
+
+  while (!stop) {
+    zmq::pollitem_t items[] = {{sock->handle(), 0, ZMQ_POLLIN, 0}, {from_worker.handle(), 0, ZMQ_POLLIN, 0}};
+    try {
+      zmq::poll(items, 2, std::chrono::milliseconds(std::max(10, opt.heartbeat_ms / 4)));
+    } catch (const zmq::error_t& e) {
+      if (e.num() == EINTR) continue;  // SIGTERM: the loop condition decides
+      throw;
+    }
+    if (items[1].revents & ZMQ_POLLIN) {
+      // Replies from the compute thread: forward frame by frame, untouched.
+      while (auto r = wire::recv_frames(from_worker, false, zmq::recv_flags::dontwait)) {
+        for (size_t i = 0; i < r->frames.size(); ++i)
+          sock->send(r->frames[i], i + 1 < r->frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+      }
+    }
+    if (items[0].revents & ZMQ_POLLIN) {
+      while (auto r = wire::recv_frames(*sock, false, zmq::recv_flags::dontwait)) {
+        last_heard = Clock::now();
+        Message m;
+        try {
+          m = wire::decode(r->frames);
+        } catch (const WireError& e) {
+          stats.errors++;
+          log_warn("stage", std::string("dropped a bad message from the router: ") + e.what());
+          Message err = wire::error_reply(nullptr, e.code(), e.what());
+          wire::send(*sock, err);
+          continue;
+        }
+        switch (m.type) {
+          case MsgType::kWelcome:
+            welcomed = true;
+            backoff_s = 0.5;
+            log_info("stage", "registered with the router as " + m.body.value("peer_id", routing_id));
+            break;
+          case MsgType::kHeartbeat: break;
+          case MsgType::kError:
+            log_warn("stage", "router says: " + m.body.value("message", std::string("?")));
+            if (m.body.value("code", 0) == int(WireErrc::kOutOfOrder) && m.body.value("request_type", 0) == int(MsgType::kHeartbeat)) {
+              hello(*sock);  // the router does not know us (it restarted): introduce ourselves again
+            }
+            break;
+          case MsgType::kBye:
+            log_info("stage", "router said goodbye: " + m.body.value("reason", std::string("")));
+            stop = true;
+            break;
+          default:
+            inbox.push(std::move(m));
+        }
+      }
+    }
+    const auto now = Clock::now();
+    if (std::chrono::duration<double, std::milli>(now - last_beat).count() >= opt.heartbeat_ms) {
+      last_beat = now;
+      Message hb(MsgType::kHeartbeat, 0, 0,
+                 json{{"stage", stats.stage.load()}, {"job_id", stats.job_id.load()}, {"ready", stats.ready.load()},
+                      {"queue", inbox.size()}, {"ms_per_unit", stats.ms_per_unit.load()},
+                      {"forwards", stats.forwards.load()}, {"backwards", stats.backwards.load()},
+                      {"cache_hits", stats.cache_hits.load()}, {"recomputes", stats.recomputes.load()},
+                      {"steps", stats.steps.load()}, {"errors", stats.errors.load()}});
+      wire::send(*sock, hb);
+    }
+    if (std::chrono::duration<double>(now - last_heard).count() > silent_s + (welcomed ? 0 : backoff_s)) {
+      // The router is gone or cut off: reconnect with doubling backoff and say HELLO again.
+      log_warn("stage", std::string("router silent for ") + std::to_string(silent_s) + " s; reconnecting");
+      inbox.clear();
+      sock = make_socket();
+      hello(*sock);
+      welcomed = false;
+      last_heard = Clock::now();
+      backoff_s = std::min(backoff_s * 2, 8.0);
+    }
+  }
+  Message bye(MsgType::kBye, 0, 0, json{{"reason", "shutting down"}});
+  wire::send(*sock, bye);
+  worker_stop = true;
+  compute.join();
+  return 0;
+}
+
+}  // namespace swarm

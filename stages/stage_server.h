@@ -1,0 +1,33 @@
+// stage_server.h: swarm-stage, the process that serves one stage of the model.
+//
+// Defines swarm::StageOptions and `run_stage_server`. The server connects to a router
+// (DEALER), says HELLO, heartbeats from an I/O thread, and answers LOAD_STAGE, FORWARD,
+// FORWARD_LOSS, BACKWARD, EVAL, STEP and the within-stage round messages from a compute
+// thread. It reconnects with doubling backoff when the router goes silent. Protocol:
+// docs/protocol.md.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+namespace swarm {
+
+struct StageOptions {
+  std::string router = "tcp://127.0.0.1:5555";
+  int stage = -1;              // stage asked for; -1 lets the router choose
+  std::string device = "cpu";  // "cpu", "cuda" or "cuda:N" (CUDA-enabled libtorch only)
+  int threads = 0;             // torch intra-op threads; 0 keeps libtorch's default
+  double emulate = 1.0;        // pad compute time to act as a device this many times slower
+  std::string profile;         // the named profile the factor came from ("t4", ...), for labels
+  std::string name;            // shown in `swarm peers`; default host:pid
+  bool echo = false;           // transport benchmark: answer FORWARD with the input untouched
+  int heartbeat_ms = 500;
+  int liveness = 3;            // router silent for liveness * heartbeat_ms -> reconnect
+  size_t cache_entries = 64;   // affinity cache: forward graphs kept for a later BACKWARD
+  double cache_ttl_s = 120;
+};
+
+// Runs until `stop` becomes true (SIGTERM/SIGINT in swarm-stage). Returns the exit code.
+int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop);
+
+}  // namespace swarm

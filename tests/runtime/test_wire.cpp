@@ -1,0 +1,240 @@
+// test_wire.cpp: wire protocol v1 round trips and the rejection of every kind of bad message.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include <msgpack.hpp>
+
+#include "runtime/limits.h"
+#include "runtime/wire.h"
+
+using namespace swarm;
+using namespace swarm::wire;
+using nlohmann::json;
+
+namespace {
+
+Tensor f32_tensor(std::vector<float> v, std::vector<int64_t> shape) {
+  Tensor t = make_tensor(DType::kF32, std::move(shape), compression::CodecSpec{}, v.size() * 4);
+  std::memcpy(t.data.data(), v.data(), v.size() * 4);
+  seal(t);
+  return t;
+}
+
+std::vector<zmq::message_t> frames_of(Message m) { return encode(m); }
+
+zmq::message_t packed(const json& j) {
+  auto b = json::to_msgpack(j);
+  return zmq::message_t(b.data(), b.size());
+}
+
+WireErrc code_of(std::vector<zmq::message_t>& frames) {
+  try {
+    decode(frames);
+  } catch (const WireError& e) {
+    return e.code();
+  }
+  return WireErrc(0);
+}
+
+}  // namespace
+
+TEST(Wire, RoundTripWithTensors) {
+  Message m(MsgType::kForward, 42, 3, json{{"job_id", 7}, {"mb", 9}});
+  m.tensors.push_back(f32_tensor({1, 2, 3, 4, 5, 6}, {2, 3}));
+  auto frames = frames_of(std::move(m));
+  ASSERT_EQ(frames.size(), 3u);
+  Message d = decode(frames);
+  EXPECT_EQ(d.type, MsgType::kForward);
+  EXPECT_EQ(d.id, 42u);
+  EXPECT_EQ(d.attempt, 3u);
+  EXPECT_EQ(d.body["mb"], 9);
+  EXPECT_FALSE(d.body.contains("tensors"));
+  ASSERT_EQ(d.tensors.size(), 1u);
+  EXPECT_EQ(d.tensors[0].desc.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(static_cast<const float*>(d.tensors[0].data.data())[5], 6.f);
+}
+
+TEST(Wire, Bf16TensorSizeMustMatchCodec) {
+  auto bf16 = compression::parse_codec("bf16");
+  Tensor t = make_tensor(DType::kF32, {4}, bf16, 8);
+  std::memset(t.data.data(), 0, 8);
+  seal(t);
+  Message m(MsgType::kResult);
+  m.tensors.push_back(std::move(t));
+  auto frames = frames_of(std::move(m));
+  EXPECT_NO_THROW(decode(frames));
+
+  // Declares 4 elements of bf16 (8 bytes) but carries 16.
+  Tensor bad = make_tensor(DType::kF32, {4}, bf16, 16);
+  std::memset(bad.data.data(), 0, 16);
+  seal(bad);
+  Message m2(MsgType::kResult);
+  m2.tensors.push_back(std::move(bad));
+  auto f2 = frames_of(std::move(m2));
+  EXPECT_EQ(code_of(f2), WireErrc::kBadTensor);
+}
+
+TEST(Wire, SharedTensorIsZeroCopy) {
+  Tensor t = f32_tensor(std::vector<float>(1 << 16, 1.f), {1 << 16});
+  Tensor c = share(t);
+  EXPECT_EQ(c.data.data(), t.data.data());
+  EXPECT_EQ(c.desc.checksum, t.desc.checksum);
+}
+
+TEST(Wire, RejectsTooFewFrames) {
+  std::vector<zmq::message_t> frames;
+  frames.emplace_back(packed(json::array({"SWRM", 1, 3, 0, 0})));
+  EXPECT_EQ(code_of(frames), WireErrc::kTruncated);
+}
+
+TEST(Wire, RejectsBadMagicAndVersion) {
+  std::vector<zmq::message_t> a;
+  a.emplace_back(packed(json::array({"XXXX", 1, 3, 0, 0})));
+  a.emplace_back(packed(json::object()));
+  EXPECT_EQ(code_of(a), WireErrc::kBadMagic);
+  std::vector<zmq::message_t> b;
+  b.emplace_back(packed(json::array({"SWRM", 2, 3, 0, 0})));
+  b.emplace_back(packed(json::object()));
+  EXPECT_EQ(code_of(b), WireErrc::kBadVersion);
+  std::vector<zmq::message_t> c;
+  c.emplace_back(packed(json::array({"SWRM", 1, 999, 0, 0})));
+  c.emplace_back(packed(json::object()));
+  EXPECT_EQ(code_of(c), WireErrc::kUnknownType);
+}
+
+TEST(Wire, RejectsTruncatedBody) {
+  auto frames = frames_of(Message(MsgType::kStatus, 1, 0, json{{"job_id", 123456}, {"x", "some text"}}));
+  zmq::message_t cut(frames[1].data(), frames[1].size() - 3);
+  frames[1] = std::move(cut);
+  EXPECT_EQ(code_of(frames), WireErrc::kTruncated);
+}
+
+TEST(Wire, RejectsTensorCountMismatch) {
+  Message m(MsgType::kForward, 1, 0);
+  m.tensors.push_back(f32_tensor({1, 2}, {2}));
+  auto frames = frames_of(std::move(m));
+  frames.pop_back();  // description says one tensor, no frame follows
+  EXPECT_EQ(code_of(frames), WireErrc::kTruncated);
+}
+
+TEST(Wire, RejectsFrameShorterThanDeclared) {
+  Message m(MsgType::kForward, 1, 0);
+  m.tensors.push_back(f32_tensor({1, 2, 3, 4}, {4}));
+  auto frames = frames_of(std::move(m));
+  frames[2] = zmq::message_t(frames[2].data(), 8);
+  EXPECT_EQ(code_of(frames), WireErrc::kTruncated);
+}
+
+TEST(Wire, RejectsCorruptPayload) {
+  Message m(MsgType::kForward, 1, 0);
+  m.tensors.push_back(f32_tensor({1, 2, 3, 4}, {4}));
+  auto frames = frames_of(std::move(m));
+  static_cast<uint8_t*>(frames[2].data())[5] ^= 0x40;
+  EXPECT_EQ(code_of(frames), WireErrc::kChecksum);
+}
+
+TEST(Wire, RejectsHugeDeclaredShapeBeforeAllocating) {
+  // A description that claims 2^40 elements must be refused on the numbers alone.
+  json desc{{"dtype", "f32"}, {"shape", {uint64_t(1) << 20, uint64_t(1) << 20}}, {"codec", "fp32"}, {"nbytes", 16}, {"xxh64", 0}};
+  std::vector<zmq::message_t> frames;
+  frames.emplace_back(packed(json::array({"SWRM", 1, 20, 1, 0})));
+  frames.emplace_back(packed(json{{"tensors", {desc}}}));
+  frames.emplace_back(zmq::message_t(16));
+  EXPECT_EQ(code_of(frames), WireErrc::kTooLarge);
+}
+
+TEST(Wire, RejectsBadTensorDescriptions) {
+  auto try_desc = [](json desc, size_t payload) {
+    std::vector<zmq::message_t> frames;
+    frames.emplace_back(packed(json::array({"SWRM", 1, 20, 1, 0})));
+    frames.emplace_back(packed(json{{"tensors", {desc}}}));
+    frames.emplace_back(zmq::message_t(payload));
+    return code_of(frames);
+  };
+  EXPECT_EQ(try_desc({{"dtype", "f64"}, {"shape", {2}}, {"codec", "fp32"}, {"nbytes", 16}, {"xxh64", 0}}, 16), WireErrc::kBadTensor);
+  EXPECT_EQ(try_desc({{"dtype", "f32"}, {"shape", {-2}}, {"codec", "fp32"}, {"nbytes", 8}, {"xxh64", 0}}, 8), WireErrc::kBadTensor);
+  EXPECT_EQ(try_desc({{"dtype", "f32"}, {"shape", {2}}, {"codec", "zstd"}, {"nbytes", 8}, {"xxh64", 0}}, 8), WireErrc::kBadTensor);
+  EXPECT_EQ(try_desc({{"dtype", "i32"}, {"shape", {2}}, {"codec", "bf16"}, {"nbytes", 8}, {"xxh64", 0}}, 8), WireErrc::kBadTensor);
+  EXPECT_EQ(try_desc({{"dtype", "f32"}, {"shape", {1, 1, 1, 1, 1, 1, 1, 1, 1}}, {"codec", "fp32"}, {"nbytes", 4}, {"xxh64", 0}}, 4), WireErrc::kTooLarge);
+  EXPECT_EQ(try_desc({{"dtype", "f32"}, {"shape", {2}}, {"codec", "fp32"}, {"nbytes", 8}}, 8), WireErrc::kMalformed);
+  EXPECT_EQ(try_desc(json::array({1, 2}), 8), WireErrc::kMalformed);
+}
+
+TEST(Wire, RejectsDeepNesting) {
+  // 100 nested one-element arrays: bounded by the depth limit, no stack exhaustion.
+  std::string body(100, char(0x91));
+  body.push_back(char(0xc0));
+  std::vector<zmq::message_t> frames;
+  frames.emplace_back(packed(json::array({"SWRM", 1, 3, 0, 0})));
+  frames.emplace_back(zmq::message_t(body.data(), body.size()));
+  EXPECT_EQ(code_of(frames), WireErrc::kTooLarge);
+}
+
+TEST(Wire, RejectsOversizedDeclaredArray) {
+  // An array header declaring 2^32-1 entries with nothing behind it.
+  const unsigned char body[] = {0xdd, 0xff, 0xff, 0xff, 0xff};
+  std::vector<zmq::message_t> frames;
+  frames.emplace_back(packed(json::array({"SWRM", 1, 3, 0, 0})));
+  frames.emplace_back(zmq::message_t(body, sizeof(body)));
+  WireErrc c = code_of(frames);
+  EXPECT_TRUE(c == WireErrc::kTooLarge || c == WireErrc::kTruncated);
+}
+
+TEST(Wire, RejectsOversizedBodyFrame) {
+  std::vector<zmq::message_t> frames;
+  frames.emplace_back(packed(json::array({"SWRM", 1, 3, 0, 0})));
+  frames.emplace_back(zmq::message_t(limits::kMaxBodyBytes + 1));
+  EXPECT_EQ(code_of(frames), WireErrc::kTooLarge);
+}
+
+TEST(Wire, RandomBytesNeverCrash) {
+  std::mt19937 rng(1234);
+  int rejected = 0;
+  for (int i = 0; i < 3000; ++i) {
+    std::vector<zmq::message_t> frames;
+    const int nf = 1 + int(rng() % 4);
+    for (int f = 0; f < nf; ++f) {
+      std::vector<uint8_t> b(rng() % 64);
+      for (auto& x : b) x = uint8_t(rng());
+      if (f == 0 && i % 2 == 0) {
+        // Half the time a valid envelope, so the body and tensor parsers get fuzzed too.
+        auto env = json::to_msgpack(json::array({"SWRM", 1, 20, 1, 0}));
+        b.assign(env.begin(), env.end());
+      }
+      frames.emplace_back(b.data(), b.size());
+    }
+    try {
+      decode(frames);
+    } catch (const WireError&) {
+      rejected++;
+    }
+  }
+  EXPECT_GT(rejected, 2900);
+}
+
+TEST(Wire, TruncatedValidMessagesAreRejected) {
+  Message m(MsgType::kBackward, 5, 1, json{{"job_id", 1}, {"mb", 2}});
+  m.tensors.push_back(f32_tensor({1, 2, 3}, {3}));
+  m.tensors.push_back(f32_tensor({4, 5, 6}, {3}));
+  auto good = frames_of(std::move(m));
+  for (size_t f = 0; f < good.size(); ++f) {
+    for (size_t cut = 0; cut < good[f].size(); ++cut) {
+      std::vector<zmq::message_t> frames;
+      for (size_t k = 0; k < good.size(); ++k) {
+        if (k == f) frames.emplace_back(good[k].data(), cut);
+        else frames.emplace_back(good[k].data(), good[k].size());
+      }
+      EXPECT_THROW(decode(frames), WireError) << "frame " << f << " cut at " << cut;
+    }
+  }
+}
+
+TEST(Wire, ErrorReplyEchoesRequest) {
+  Message req(MsgType::kForward, 77, 2);
+  Message e = error_reply(&req, WireErrc::kBadTensor, "shape");
+  EXPECT_EQ(e.type, MsgType::kError);
+  EXPECT_EQ(e.id, 77u);
+  EXPECT_EQ(e.attempt, 2u);
+  EXPECT_EQ(e.body["name"], "bad_tensor");
+}

@@ -1,0 +1,13 @@
+// bench.h: `swarm bench NAME [--json]`, each benchmark against a reference measured in the
+// same run (docs/benchmarks.md). With --json: JSON lines, the last one the summary
+// {"bench": NAME, "figures": {FIGURE: {"value": x, "target": "..."}}, "raw": {...}}.
+#pragma once
+
+#include <string>
+
+namespace swarm {
+
+// Returns the process exit code (2 for an unknown name).
+int run_bench(const std::string& name, bool json);
+
+}  // namespace swarm

@@ -1,0 +1,212 @@
+// local_swarm.cpp: processes of a local swarm, and following a job (see local_swarm.h).
+#include "tools/local_swarm.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+namespace swarm {
+
+using nlohmann::json;
+
+std::string executable_dir() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  std::string p(buf, size_t(n));
+  return p.substr(0, p.rfind('/'));
+}
+
+LocalSwarm::LocalSwarm(std::string log_dir, std::string bin_dir)
+    : bin_dir_(bin_dir.empty() ? executable_dir() : std::move(bin_dir)), log_dir_(std::move(log_dir)) {
+  mkdir(log_dir_.c_str(), 0755);
+}
+
+LocalSwarm::~LocalSwarm() { stop_all(); }
+
+pid_t LocalSwarm::spawn(const std::vector<std::string>& argv, const std::string& log_name) {
+  const std::string log = log_dir_ + "/" + log_name;
+  const pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the swarm that started us
+    if (getppid() != parent) _exit(1);
+    setpgid(0, 0);                     // a terminal's Ctrl-C goes to `swarm local`, which stops us in order
+    int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    std::fprintf(stderr, "cannot run %s\n", args[0]);
+    _exit(127);
+  }
+  return pid;
+}
+
+void LocalSwarm::start_router(const std::vector<std::string>& extra_args) {
+  const std::string ready = log_dir_ + "/router.addr";
+  unlink(ready.c_str());
+  router_args_ = {bin_dir_ + "/swarm-router", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready};
+  router_args_.insert(router_args_.end(), extra_args.begin(), extra_args.end());
+  router_pid_ = spawn(router_args_, "router.log");
+  for (int i = 0; i < 200; ++i) {
+    std::ifstream f(ready);
+    if (f && std::getline(f, endpoint_) && !endpoint_.empty()) return;
+    int status = 0;
+    if (waitpid(router_pid_, &status, WNOHANG) == router_pid_) {
+      router_pid_ = -1;
+      throw std::runtime_error("swarm-router exited at start; see " + log_dir_ + "/router.log");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  throw std::runtime_error("swarm-router did not start listening within 10 s; see " + log_dir_ + "/router.log");
+}
+
+size_t LocalSwarm::start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args) {
+  StageProc p;
+  p.stage = stage;
+  p.name = name;
+  p.extra_args = extra_args;
+  stages_.push_back(p);
+  stage_threads_.push_back(threads);
+  restart_stage(stages_.size() - 1);
+  return stages_.size() - 1;
+}
+
+void LocalSwarm::restart_stage(size_t i) {
+  StageProc& p = stages_.at(i);
+  if (p.pid > 0) {
+    kill(p.pid, SIGKILL);
+    waitpid(p.pid, nullptr, 0);
+  }
+  std::vector<std::string> argv = {bin_dir_ + "/swarm-stage", "--router", endpoint_, "--name", p.name,
+                                   "--threads", std::to_string(stage_threads_[i])};
+  if (p.stage >= 0) {
+    argv.push_back("--stage");
+    argv.push_back(std::to_string(p.stage));
+  }
+  argv.insert(argv.end(), p.extra_args.begin(), p.extra_args.end());
+  p.pid = spawn(argv, p.name + ".log");
+}
+
+void LocalSwarm::kill_stage(size_t i, int sig) {
+  StageProc& p = stages_.at(i);
+  if (p.pid <= 0) return;
+  kill(p.pid, sig);
+  if (sig == SIGKILL || sig == SIGTERM) {
+    waitpid(p.pid, nullptr, 0);
+    p.pid = -1;
+  }
+}
+
+void LocalSwarm::kill_router(int sig) {
+  if (router_pid_ <= 0) return;
+  kill(router_pid_, sig);
+  waitpid(router_pid_, nullptr, 0);
+  router_pid_ = -1;
+}
+
+void LocalSwarm::stop_all() {
+  std::vector<pid_t> pids;
+  for (auto& s : stages_)
+    if (s.pid > 0) pids.push_back(s.pid);
+  if (router_pid_ > 0) pids.push_back(router_pid_);
+  for (pid_t p : pids) {
+    kill(p, SIGCONT);  // a stopped process cannot act on SIGTERM
+    kill(p, SIGTERM);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (pid_t p : pids) {
+    while (waitpid(p, nullptr, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill(p, SIGKILL);
+        waitpid(p, nullptr, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  for (auto& s : stages_) s.pid = -1;
+  router_pid_ = -1;
+}
+
+json done_event(const json& st) {
+  return json{{"event", "done"},
+              {"job_id", st.value("job_id", 0)},
+              {"state", st.value("state", std::string())},
+              {"reason", st.value("reason", std::string())},
+              {"steps", st.value("step", 0)},
+              {"train_loss", st.value("train_loss", json(nullptr))},
+              {"val_loss", st.value("val_loss", json(nullptr))},
+              {"unigram_loss", st.value("unigram_loss", json(nullptr))},
+              {"tokens_per_s", st.value("tokens_per_s", 0.0)},
+              {"elapsed_s", st.value("elapsed_s", 0.0)},
+              {"microbatches", st.value("microbatches", json::object())},
+              {"backward", st.value("backward", json::object())},
+              {"wire_bytes", st.value("wire_bytes", json::object())},
+              {"rounds", st.value("rounds", 0)},
+              {"history", st.value("history", json::array())}};
+}
+
+namespace {
+std::string fmt(const json& v, const char* f) {
+  if (!v.is_number()) return "-";
+  char b[64];
+  std::snprintf(b, sizeof(b), f, v.get<double>());
+  return b;
+}
+}  // namespace
+
+json follow_job(Client& client, uint64_t job_id, const FollowOptions& opt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  int last_step = -1;
+  json last_val = nullptr;
+  std::string last_reason;
+  for (;;) {
+    json st = client.request_body(wire::MsgType::kStatus, json{{"job_id", job_id}});
+    const std::string state = st.value("state", std::string());
+    const int step = st.value("step", 0);
+    const bool final = state == "done" || state == "failed" || state == "cancelled";
+    const std::string reason = st.value("reason", std::string());
+    if (!opt.quiet && (step != last_step || st["val_loss"] != last_val || reason != last_reason || final)) {
+      if (opt.json) {
+        json ev{{"event", "progress"}, {"state", state}, {"step", step}, {"steps", st["steps"]},
+                {"train_loss", st["train_loss"]}, {"val_loss", st["val_loss"]}, {"tokens_per_s", st["tokens_per_s"]},
+                {"peers_per_stage", st["peers_per_stage"]}, {"reason", reason}};
+        std::cout << ev.dump() << std::endl;
+      } else {
+        std::string peers;
+        for (const auto& n : st.value("peers_per_stage", json::array())) peers += (peers.empty() ? "" : ",") + n.dump();
+        std::cout << "[" << state << "] step " << step << "/" << st.value("steps", 0) << "  loss "
+                  << fmt(st["train_loss"], "%.4f") << "  val " << fmt(st["val_loss"], "%.4f") << "  tok/s "
+                  << fmt(st["tokens_per_s"], "%.0f") << "  peers/stage [" << peers << "]"
+                  << (reason.empty() ? "" : "  (" + reason + ")") << std::endl;
+      }
+      last_step = step;
+      last_val = st["val_loss"];
+      last_reason = reason;
+    }
+    if (final) return st;
+    if (opt.timeout_s > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > opt.timeout_s)
+      throw std::runtime_error("job " + std::to_string(job_id) + " did not finish within " + std::to_string(opt.timeout_s) + " s");
+    std::this_thread::sleep_for(std::chrono::milliseconds(int(opt.poll_s * 1000)));
+  }
+}
+
+}  // namespace swarm

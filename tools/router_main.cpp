@@ -1,0 +1,32 @@
+// router_main.cpp: swarm-router, one per swarm (see router/router.h and README's CLI section).
+#include <csignal>
+
+#include <CLI/CLI.hpp>
+
+#include "router/router.h"
+#include "runtime/log.h"
+
+namespace {
+std::atomic<bool> g_stop{false};
+void on_signal(int) { g_stop = true; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  swarm::RouterOptions opt;
+  CLI::App app{"swarm-router: registers stage servers and drives training jobs through them"};
+  app.add_option("--bind", opt.bind, "ZeroMQ endpoint to listen on (tcp://127.0.0.1:* picks a free port)")->capture_default_str();
+  app.add_option("--heartbeat-ms", opt.heartbeat_ms, "peer heartbeat interval")->capture_default_str()->check(CLI::Range(10, 60000));
+  app.add_option("--liveness", opt.liveness, "heartbeats missed before a peer is declared dead")->capture_default_str()->check(CLI::Range(1, 100));
+  app.add_option("--ready-file", opt.ready_file, "write the bound endpoint to this file once listening");
+  CLI11_PARSE(app, argc, argv);
+  std::signal(SIGTERM, on_signal);
+  std::signal(SIGINT, on_signal);
+  try {
+    swarm::Router router(opt);
+    router.run(g_stop);
+  } catch (const std::exception& e) {
+    swarm::log_error("router", e.what());
+    return 1;
+  }
+  return 0;
+}

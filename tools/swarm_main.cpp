@@ -1,0 +1,226 @@
+// swarm_main.cpp: `swarm`, the user's CLI: local, submit, status, peers, cancel, bench, reference.
+//
+// Every subcommand that talks to a router goes through swarm::Client (runtime/client.h), so
+// a dead router address is a clear message, not a hang. `swarm local` starts a whole swarm on
+// this machine (tools/local_swarm.h) and follows the job to its end.
+#include <unistd.h>
+
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+
+#include "runtime/client.h"
+#include "runtime/data.h"
+#include "runtime/job_spec.h"
+#include "compression/codec.h"
+#include "stages/reference.h"
+#include "tools/bench.h"
+#include "tools/local_swarm.h"
+
+using nlohmann::json;
+using namespace swarm;
+
+namespace {
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw SpecError("cannot read job spec file '" + path + "'");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Parses and validates a job spec file, codecs included: every mistake is reported here,
+// before anything starts.
+JobSpec load_spec(const std::string& path) {
+  JobSpec spec = parse_job_spec_text(read_file(path), /*check_files=*/true);
+  for (const auto& [field, codec] : {std::pair<const char*, std::string>{"compression.activations", spec.compression.activations},
+                                     {"compression.gradients", spec.compression.gradients},
+                                     {"compression.outer", spec.compression.outer}}) {
+    try {
+      compression::parse_codec(codec);
+    } catch (const InputError& e) {
+      throw SpecError(std::string("job spec: ") + field + ": " + e.what());
+    }
+  }
+  return spec;
+}
+
+uint64_t submit(Client& c, const JobSpec& spec) {
+  json rep = c.request_body(wire::MsgType::kSubmit, json{{"spec", to_json(spec)}});
+  return rep.at("job_id").get<uint64_t>();
+}
+
+int print_final(const json& st, bool as_json) {
+  json done = done_event(st);
+  if (as_json) {
+    std::cout << done.dump() << std::endl;
+  } else {
+    const auto& mb = done["microbatches"];
+    std::cout << "job " << done["job_id"] << " " << done["state"].get<std::string>()
+              << (done["reason"].get<std::string>().empty() ? "" : ": " + done["reason"].get<std::string>()) << "\n"
+              << "  steps " << done["steps"] << ", train loss " << done["train_loss"] << ", val loss " << done["val_loss"]
+              << " (unigram baseline " << done["unigram_loss"] << ")\n"
+              << "  " << done["tokens_per_s"] << " tokens/s over " << done["elapsed_s"] << " s\n"
+              << "  microbatches: " << mb.dump() << "\n"
+              << "  backward: " << done["backward"].dump() << ", wire bytes: " << done["wire_bytes"].dump() << std::endl;
+  }
+  return st.value("state", std::string()) == "done" ? 0 : 1;
+}
+
+int hardware_threads() { return std::max(1, int(std::thread::hardware_concurrency())); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"swarm: train one model across many unreliable, unequal machines"};
+  app.require_subcommand(1);
+
+  // swarm local
+  std::string job_path, router, log_dir;
+  int peers_per_stage = 2, threads = 0;
+  bool as_json = false, follow = false;
+  auto* local = app.add_subcommand("local", "run a whole swarm on this machine: a router and stage servers on loopback");
+  local->add_option("job", job_path, "job spec (JSON)")->required();
+  local->add_option("--peers-per-stage", peers_per_stage, "stage servers per stage")->capture_default_str()->check(CLI::Range(1, 64));
+  local->add_option("--threads", threads, "compute threads per stage server (0: cores / servers)");
+  local->add_option("--log-dir", log_dir, "where the processes' logs go (default: a new folder under /tmp)");
+  local->add_flag("--json", as_json, "one JSON object per line");
+
+  auto* sub = app.add_subcommand("submit", "submit a job to a running router");
+  sub->add_option("job", job_path, "job spec (JSON)")->required();
+  sub->add_option("--router", router, "router endpoint, tcp://HOST:PORT")->required();
+  sub->add_flag("--follow", follow, "follow the job to its end");
+  sub->add_flag("--json", as_json, "one JSON object per line");
+
+  uint64_t job_id = 0;
+  auto* status = app.add_subcommand("status", "show a job's status (the latest job by default)");
+  status->add_option("--router", router, "router endpoint")->required();
+  status->add_option("--job", job_id, "job id");
+  status->add_flag("--json", as_json, "print JSON");
+
+  auto* peers = app.add_subcommand("peers", "list the router's stage servers");
+  peers->add_option("--router", router, "router endpoint")->required();
+  peers->add_flag("--json", as_json, "print JSON");
+
+  auto* cancel = app.add_subcommand("cancel", "cancel a job");
+  cancel->add_option("--router", router, "router endpoint")->required();
+  cancel->add_option("job_id", job_id, "job id")->required();
+
+  std::string bench_name;
+  auto* bench = app.add_subcommand("bench", "measure one thing against a reference in the same run (docs/benchmarks.md)");
+  bench->add_option("name", bench_name, "codec | transport | pipeline")->required();
+  bench->add_flag("--json", as_json, "JSON lines, the last one the summary");
+
+  auto* ref = app.add_subcommand("reference", "train the job in one process (the oracle the swarm is checked against)");
+  ref->add_option("job", job_path, "job spec (JSON)")->required();
+  ref->add_option("--threads", threads, "compute threads (0: libtorch's default)");
+  ref->add_flag("--json", as_json, "JSON lines");
+
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (*local) {
+      JobSpec spec = load_spec(job_path);
+      const int n = spec.partition.stages * peers_per_stage;
+      if (threads <= 0) threads = std::max(1, hardware_threads() / n);
+      if (log_dir.empty()) {
+        char tmpl[] = "/tmp/swarm-local-XXXXXX";
+        log_dir = mkdtemp(tmpl) ? tmpl : "/tmp";
+      }
+      LocalSwarm swarm(log_dir);
+      swarm.start_router();
+      for (int s = 0; s < spec.partition.stages; ++s)
+        for (int i = 0; i < peers_per_stage; ++i)
+          swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads);
+      if (!as_json)
+        std::cout << "swarm: router at " << swarm.router_endpoint() << ", " << n << " stage servers ("
+                  << spec.partition.stages << " stages x " << peers_per_stage << "), logs in " << log_dir << std::endl;
+      Client c(swarm.router_endpoint());
+      const uint64_t id = submit(c, spec);
+      FollowOptions fo;
+      fo.json = as_json;
+      json st = follow_job(c, id, fo);
+      swarm.stop_all();
+      return print_final(st, as_json);
+    }
+    if (*sub) {
+      JobSpec spec = load_spec(job_path);
+      Client c(router);
+      const uint64_t id = submit(c, spec);
+      if (!follow) {
+        std::cout << (as_json ? json{{"event", "submitted"}, {"job_id", id}}.dump() : "submitted job " + std::to_string(id)) << std::endl;
+        return 0;
+      }
+      FollowOptions fo;
+      fo.json = as_json;
+      return print_final(follow_job(c, id, fo), as_json);
+    }
+    if (*status) {
+      Client c(router);
+      json body = json::object();
+      if (job_id) body["job_id"] = job_id;
+      json st = c.request_body(wire::MsgType::kStatus, body);
+      if (as_json) {
+        std::cout << st.dump() << std::endl;
+      } else {
+        st.erase("history");
+        std::cout << st.dump(2) << std::endl;
+      }
+      return 0;
+    }
+    if (*peers) {
+      Client c(router);
+      json rep = c.request_body(wire::MsgType::kPeers, json::object());
+      if (as_json) {
+        std::cout << rep.dump() << std::endl;
+      } else {
+        std::printf("%-16s %-20s %-6s %-8s %-8s %-10s %s\n", "ID", "NAME", "STAGE", "STATE", "DEVICE", "MS/UNIT", "EMULATED");
+        for (const auto& p : rep["peers"]) {
+          std::printf("%-16s %-20s %-6d %-8s %-8s %-10.2f %s\n", p["id"].get<std::string>().c_str(), p["name"].get<std::string>().c_str(),
+                      p["stage"].get<int>(), p["state"].get<std::string>().c_str(), p["device"].get<std::string>().c_str(),
+                      p["ms_per_unit"].get<double>(),
+                      p["emulate"].get<double>() > 1 ? (p["profile"].get<std::string>().empty() ? (std::to_string(p["emulate"].get<double>()) + "x").c_str() : p["profile"].get<std::string>().c_str()) : "-");
+        }
+      }
+      return 0;
+    }
+    if (*cancel) {
+      Client c(router);
+      json st = c.request_body(wire::MsgType::kCancel, json{{"job_id", job_id}});
+      std::cout << "job " << job_id << ": " << st.value("state", std::string()) << std::endl;
+      return 0;
+    }
+    if (*bench) {
+      return run_bench(bench_name, as_json);
+    }
+    if (*ref) {
+      JobSpec spec = load_spec(job_path);
+      TokenData data = TokenData::load(spec.data, spec.model.seq_len, spec.model.vocab_size);
+      ReferenceResult r = train_reference(spec, data, threads, [&](int step, double loss) {
+        if (as_json) std::cout << json{{"event", "step"}, {"step", step + 1}, {"train_loss", loss}}.dump() << std::endl;
+        else std::cout << "step " << step + 1 << "/" << spec.steps << "  loss " << loss << std::endl;
+      });
+      json done{{"event", "done"}, {"steps", spec.steps}, {"losses", r.losses}, {"val_loss", r.val_loss},
+                {"unigram_loss", data.unigram_loss()}, {"tokens_per_s", r.tokens_per_s}};
+      std::cout << (as_json ? done.dump() : done.dump(2)) << std::endl;
+      return 0;
+    }
+  } catch (const SpecError& e) {
+    std::cerr << "swarm: " << e.what() << std::endl;
+    return 2;
+  } catch (const RouterUnreachable& e) {
+    std::cerr << "swarm: " << e.what() << std::endl;
+    return 3;
+  } catch (const RouterError& e) {
+    std::cerr << "swarm: the router refused: " << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "swarm: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}
