@@ -115,6 +115,7 @@ struct Job {
   std::string reason;                 // why it failed, or what it is waiting for
   Phase phase = Phase::kTrain;
   int S = 1, M = 1;
+  std::vector<int64_t> stage_params;   // parameters per stage, as the first peer to load it reported
   uint64_t total_mbs = 0;
   uint64_t barrier = 0;               // microbatch count at which the job loop stops to step/sync/evaluate
   uint64_t taken = 0, completed = 0, resent = 0, duplicates = 0, rejected = 0;
@@ -176,6 +177,7 @@ struct Router::Impl {
     std::string peer;
     std::string target;  // kStateRequest: the peer waiting for the state
     double units = 0;
+    Clock::time_point deadline = Clock::now() + std::chrono::seconds(120);  // hops track theirs in Flight
   };
   std::map<uint64_t, Pending> pending;
   std::set<uint64_t> superseded;     // request ids re-sent elsewhere: a late reply is a duplicate
@@ -305,6 +307,11 @@ struct Router::Impl {
     } catch (const WireError& e) {
       bad_messages++;
       reply_error(r.route, &m, e.code(), e.what());
+    } catch (const std::exception& e) {
+      // Whatever a message makes go wrong, it costs that message, not the router.
+      bad_messages++;
+      log_warn("router", std::string("a ") + wire::msg_type_name(m.type) + " message failed: " + e.what());
+      reply_error(r.route, &m, WireErrc::kMalformed, e.what());
     }
   }
 
@@ -429,6 +436,7 @@ struct Router::Impl {
       job->S = job->spec.partition.stages;
       job->M = job->spec.microbatches_per_step();
       job->total_mbs = uint64_t(job->spec.steps) * uint64_t(job->M);
+      job->stage_params.assign(size_t(job->S), 0);
     }
     job->id = next_job_id++;
     job->started = Clock::now();
@@ -461,8 +469,10 @@ struct Router::Impl {
                              {"lost", (j.state == JobState::kDone) ? j.taken - j.completed : 0}}},
            {"backward", {{"cached", j.backward_cached}, {"recomputed", j.backward_recomputed}}},
            {"wire_bytes", {{"activations", j.bytes_act}, {"gradients", j.bytes_grad}, {"outer", j.bytes_outer}}},
-           {"hash_mismatches", j.hash_mismatches},
-           {"history", j.history}};
+           {"hash_mismatches", j.hash_mismatches}};
+    // The most recent entries: a status reply stays within the wire's array limit.
+    constexpr size_t kHistory = 4096;
+    s["history"] = j.history.size() <= kHistory ? j.history : json(std::vector<json>(j.history.end() - kHistory, j.history.end()));
     if (j.transport_bench) {
       s["bench"] = {{"bytes", j.bench_bytes}, {"done", j.bench_done}, {"count", j.bench_count},
                     {"seconds", elapsed}, {"bytes_per_s", elapsed > 0 ? double(j.bench_done) * double(j.bench_bytes) / elapsed : 0.0}};
@@ -628,6 +638,18 @@ struct Router::Impl {
   // ---------------------------------------------------------------- loading and syncing
 
   void on_loaded(Job& j, Peer& p, Message& m) {
+    if (!j.transport_bench) {
+      const int64_t params = m.body.value("params", int64_t(0));
+      int64_t& known = j.stage_params[size_t(p.stage)];
+      if (params <= 0 || (known > 0 && params != known)) {
+        log_warn("router", "peer " + p.name + " loaded stage " + std::to_string(p.stage) + " with " + std::to_string(params) +
+                               " parameters, expected " + std::to_string(known) + "; not using it");
+        p.state = PeerState::kIdle;
+        ban(p);
+        return;
+      }
+      known = params;
+    }
     if (j.transport_bench || j.rounds == 0) {
       p.state = PeerState::kReady;
       log_info("router", "peer " + p.name + " ready on stage " + std::to_string(p.stage));
@@ -692,6 +714,8 @@ struct Router::Impl {
       for (auto& [idx, mb] : jp->inflight)
         if (!mb.waiting && now > mb.deadline) expired.push_back(mb.req_id);
     }
+    for (auto& [id, pd] : pending)
+      if (pd.kind != Pending::kHop && now > pd.deadline) expired.push_back(id);
     for (uint64_t id : expired) {
       auto it = pending.find(id);
       if (it != pending.end()) log_warn("router", "request " + std::to_string(id) + " to " + peer_name(it->second.peer) + " passed its deadline; re-sending");
@@ -899,6 +923,8 @@ struct Router::Impl {
     auto candidates_peers = stage_peers(j, mb.stage);
     if (candidates_peers.empty()) return;  // paused until a peer of the stage is ready
     const auto now = Clock::now();
+    size_t tried_live = 0;
+    for (Peer* p : candidates_peers) tried_live += mb.tried.count(p->route);
     std::vector<Candidate> cands;
     for (Peer* p : candidates_peers) {
       Candidate c;
@@ -906,7 +932,8 @@ struct Router::Impl {
       c.queued_units = p->queued_units;
       c.ms_per_unit = p->ms_per_unit > 0 ? p->ms_per_unit : p->heartbeat.value("ms_per_unit", 0.0);
       c.affinity = mb.kind == HopKind::kBackward && mb.fwd_peer[size_t(mb.stage)] == p->route;
-      c.excluded = now < p->banned_until || (mb.tried.count(p->route) && mb.tried.size() < candidates_peers.size());
+      // A peer that failed this hop is tried again only once every live peer has failed it.
+      c.excluded = now < p->banned_until || (mb.tried.count(p->route) && tried_live < candidates_peers.size());
       cands.push_back(c);
     }
     const double units = hop_units(mb.kind);
@@ -938,8 +965,8 @@ struct Router::Impl {
       if (mb.stage > 0) j.bytes_act += m.tensors[0].desc.nbytes;
       if (mb.kind == HopKind::kBackward) j.bytes_grad += m.tensors.back().desc.nbytes;
     }
-    mb.attempts++;
     if (!send_to(p.route, m)) return;  // peer gone: it is re-dispatched on the next tick
+    mb.attempts++;
     mb.req_id = id;
     mb.peer = p.route;
     mb.waiting = false;
@@ -1071,6 +1098,7 @@ struct Router::Impl {
 
   void on_round_delta(Job& j, Peer& p, Message& m) {
     if (j.phase != Phase::kRound || j.round_applying || size_t(p.stage) >= j.round.size()) return;
+    if (m.body.value("round", uint64_t(0)) != j.rounds) return;  // a reply to an earlier round
     auto& rs = j.round[size_t(p.stage)];
     if (!rs.waiting.erase(p.route)) return;
     if (m.tensors.size() != 1 || m.tensors[0].desc.dtype != wire::DType::kF32 || m.tensors[0].desc.shape.size() != 1) {
@@ -1079,7 +1107,7 @@ struct Router::Impl {
     }
     const auto& t = m.tensors[0];
     const int64_t n = t.desc.numel();
-    if (!rs.sum.empty() && int64_t(rs.sum.size()) != n) {
+    if (n != j.stage_params[size_t(p.stage)]) {
       log_warn("router", "peer " + p.name + " sent an outer gradient of the wrong size; left out of the round");
       return;
     }
@@ -1189,6 +1217,7 @@ struct Router::Impl {
 
   void on_round_done(Job& j, Peer& p, Message& m) {
     if (j.phase != Phase::kRound || size_t(p.stage) >= j.round.size()) return;
+    if (m.body.value("round", uint64_t(0)) != j.rounds) return;  // a reply to an earlier round
     auto& rs = j.round[size_t(p.stage)];
     if (!rs.waiting.erase(p.route)) return;
     if (m.body.contains("hash") && m.body["hash"].is_number_unsigned()) rs.hashes[p.route] = m.body["hash"].get<uint64_t>();

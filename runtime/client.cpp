@@ -43,7 +43,8 @@ Message Client::request(Message req, int timeout_ms) {
     if (!r) continue;
     Message m = wire::decode(r->frames);
     if (m.type == MsgType::kHeartbeat) continue;
-    if (m.id != id) continue;
+    // An ERROR with id 0 answers a message the router could not even parse: ours.
+    if (m.id != id && !(m.type == MsgType::kError && m.id == 0)) continue;
     if (m.type == MsgType::kError)
       throw RouterError(m.body.value("name", std::string("error")), m.body.value("message", std::string("the router refused the request")));
     return m;

@@ -75,8 +75,10 @@ struct EvalSpec {
 };
 
 struct TimeoutSpec {
-  double forward_s = 30.0;   // the least deadline of one forward hop; grows with a peer's measured time
-  double backward_s = 60.0;
+  // A hop's deadline is 4x the time its peer should need (queue + this hop, from the peer's
+  // measured speed) + 1 s, at least 2 s, and at most these.
+  double forward_s = 30.0;   // FORWARD and EVAL hops
+  double backward_s = 60.0;  // BACKWARD and FORWARD_LOSS hops, and a sync-schedule STEP
   int max_attempts = 8;      // attempts per hop before the job fails
 };
 

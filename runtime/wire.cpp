@@ -52,8 +52,8 @@ json to_json(const msgpack::object& o, int depth) {
 }
 
 json unpack_frame(const zmq::message_t& f, const char* what) {
-  const auto lim = msgpack::unpack_limit(limits::kMaxMapEntries, limits::kMaxMapEntries,
-                                         limits::kMaxStringBytes, limits::kMaxJobSpecBytes, 0, kMaxDepth);
+  const auto lim = msgpack::unpack_limit(limits::kMaxArrayEntries, limits::kMaxMapEntries,
+                                         limits::kMaxStringBytes, limits::kMaxBinBytes, 0, kMaxDepth);
   try {
     size_t off = 0;
     msgpack::object_handle oh =

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "runtime/errors.h"
+#include "stages/compute_threads.h"
 #include "stages/model.h"
 #include "stages/optim.h"
 
@@ -28,7 +29,7 @@ torch::Tensor forward_all(std::vector<std::unique_ptr<StageModel>>& stages, torc
 
 ReferenceResult train_reference(const JobSpec& spec, const TokenData& data, int threads,
                                 const std::function<void(int, double)>& progress) {
-  if (threads > 0) torch::set_num_threads(threads);
+  set_compute_threads(threads);
   const int S = spec.partition.stages;
   std::vector<int> layers = spec.partition.layers_per_stage;
   if (layers.empty() && S == 1) layers.push_back(spec.model.n_layer);

@@ -24,6 +24,7 @@
 #include "runtime/job_spec.h"
 #include "runtime/log.h"
 #include "runtime/wire.h"
+#include "stages/compute_threads.h"
 #include "stages/model.h"
 #include "stages/optim.h"
 #include "stages/tensor_codec.h"
@@ -489,9 +490,7 @@ std::string random_id() {
 }  // namespace
 
 int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
-  if (opt.threads > 0) {
-    torch::set_num_threads(opt.threads);
-  }
+  set_compute_threads(opt.threads);
   if (opt.device.rfind("cuda", 0) == 0 && !torch::cuda::is_available()) {
     log_error("stage", "--device " + opt.device + " asked for, but this libtorch has no CUDA device available; use --device cpu");
     return 2;
@@ -541,12 +540,13 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   auto last_beat = Clock::now();
   bool welcomed = false;
   double backoff_s = 0.5;
-  const double silent_s = opt.liveness * opt.heartbeat_ms / 1000.0;
+  int heartbeat_ms = opt.heartbeat_ms;
+  double silent_s = opt.liveness * opt.heartbeat_ms / 1000.0;
 
   while (!stop) {
     zmq::pollitem_t items[] = {{sock->handle(), 0, ZMQ_POLLIN, 0}, {from_worker.handle(), 0, ZMQ_POLLIN, 0}};
     try {
-      zmq::poll(items, 2, std::chrono::milliseconds(std::max(10, opt.heartbeat_ms / 4)));
+      zmq::poll(items, 2, std::chrono::milliseconds(std::max(10, heartbeat_ms / 4)));
     } catch (const zmq::error_t& e) {
       if (e.num() == EINTR) continue;  // SIGTERM: the loop condition decides
       throw;
@@ -573,6 +573,9 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
         }
         switch (m.type) {
           case MsgType::kWelcome:
+            // The router's liveness rule is the one that counts: heartbeat at its pace.
+            heartbeat_ms = std::max(10, m.body.value("heartbeat_ms", heartbeat_ms));
+            silent_s = std::max(1, m.body.value("liveness", opt.liveness)) * heartbeat_ms / 1000.0;
             welcomed = true;
             backoff_s = 0.5;
             log_info("stage", "registered with the router as " + m.body.value("peer_id", routing_id));
@@ -594,7 +597,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       }
     }
     const auto now = Clock::now();
-    if (std::chrono::duration<double, std::milli>(now - last_beat).count() >= opt.heartbeat_ms) {
+    if (std::chrono::duration<double, std::milli>(now - last_beat).count() >= heartbeat_ms) {
       last_beat = now;
       Message hb(MsgType::kHeartbeat, 0, 0,
                  json{{"stage", stats.stage.load()}, {"job_id", stats.job_id.load()}, {"ready", stats.ready.load()},

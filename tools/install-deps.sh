@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# install-deps.sh: installs from Debian 12's archive what swarm's build, tests and bundled
+# example need. Idempotent: installs only what is missing; needs root (or sudo) for that.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build ccache pkg-config
+  libtorch-dev libopenblas0-pthread    # libtorch; without OpenBLAS it falls back to reference BLAS (~3x slower)
+  libzmq3-dev cppzmq-dev               # transport
+  libmsgpack-cxx-dev nlohmann-json3-dev libxxhash-dev
+  libcli11-dev libgtest-dev
+  fortunes                             # the bundled example's training text
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: everything is installed"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "install-deps: run as root or install sudo" >&2; exit 1; }
+  SUDO=sudo
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
