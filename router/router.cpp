@@ -127,6 +127,7 @@ struct Job {
   Clock::time_point started{}, run_started{}, finished{};
   int64_t train_tokens = 0;
   uint64_t bytes_act = 0, bytes_grad = 0, bytes_outer = 0;
+  double codec_us[4] = {0, 0, 0, 0};  // activations encode, decode; gradients encode, decode (all peers)
   // Rounds.
   uint64_t rounds = 0;
   int last_round_step = 0;
@@ -469,6 +470,10 @@ struct Router::Impl {
                              {"lost", (j.state == JobState::kDone) ? j.taken - j.completed : 0}}},
            {"backward", {{"cached", j.backward_cached}, {"recomputed", j.backward_recomputed}}},
            {"wire_bytes", {{"activations", j.bytes_act}, {"gradients", j.bytes_grad}, {"outer", j.bytes_outer}}},
+           {"wire_bytes_per_sample", {{"activations", j.completed ? double(j.bytes_act) / double(j.completed * uint64_t(j.spec.batch.microbatch_size)) : 0.0},
+                                      {"gradients", j.completed ? double(j.bytes_grad) / double(j.completed * uint64_t(j.spec.batch.microbatch_size)) : 0.0}}},
+           {"codec_ms", {{"activations", {{"encode", j.codec_us[0] / 1000}, {"decode", j.codec_us[1] / 1000}}},
+                         {"gradients", {{"encode", j.codec_us[2] / 1000}, {"decode", j.codec_us[3] / 1000}}}}},
            {"hash_mismatches", j.hash_mismatches}};
     // The most recent entries: a status reply stays within the wire's array limit.
     constexpr size_t kHistory = 4096;
@@ -550,6 +555,9 @@ struct Router::Impl {
       return;
     }
     p.results++;
+    if (auto ct = m.body.find("codec_us"); ct != m.body.end() && ct->is_array() && ct->size() == 4)
+      for (size_t k = 0; k < 4; ++k)
+        if ((*ct)[k].is_number()) j->codec_us[k] += std::max(0.0, (*ct)[k].get<double>());
     if (m.body.contains("compute_ms") && pd.units > 0) {
       const double per = m.body["compute_ms"].get<double>() / pd.units;
       p.ms_per_unit = p.ms_per_unit == 0 ? per : 0.8 * p.ms_per_unit + 0.2 * per;

@@ -93,8 +93,11 @@ class Worker {
   // Handles one request; returns the reply (an ERROR for bad input).
   Message handle(Message& req) {
     const auto t0 = Clock::now();
+    codec_time_ = CodecTime{};
     try {
       Message rep = dispatch(req);
+      if (codec_time_.any())
+        rep.body["codec_us"] = {codec_time_.act_enc, codec_time_.act_dec, codec_time_.grad_enc, codec_time_.grad_dec};
       double units = work_units(req.type, rep);
       if (units > 0) {
         pad_for_emulation(t0);
@@ -120,6 +123,21 @@ class Worker {
   }
 
  private:
+  // Microseconds spent in codecs for the current request, per direction: the job's summary
+  // reports them (activations encode/decode, activation gradients encode/decode).
+  struct CodecTime {
+    double act_enc = 0, act_dec = 0, grad_enc = 0, grad_dec = 0;
+    bool any() const { return act_enc + act_dec + grad_enc + grad_dec > 0; }
+  } codec_time_;
+
+  template <typename F>
+  auto timed(double& acc_us, F&& f) {
+    const auto t0 = Clock::now();
+    auto r = f();
+    acc_us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    return r;
+  }
+
   Message dispatch(Message& req) {
     if (opt_.echo) return echo(req);
     switch (req.type) {
@@ -230,7 +248,7 @@ class Worker {
         throw WireError(WireErrc::kBadTensor, "token id outside the vocabulary");
       return x.to(model_->device());
     }
-    torch::Tensor a = from_wire(t, 3, spec_.model.d_model);
+    torch::Tensor a = timed(codec_time_.act_dec, [&] { return from_wire(t, 3, spec_.model.d_model); });
     if (!torch::isfinite(a).all().item<bool>()) throw WireError(WireErrc::kBadTensor, "non-finite values in the stage input");
     return a.to(model_->device());
   }
@@ -267,7 +285,7 @@ class Worker {
         return result(req, json{{"loss", loss}});
       }
       Message rep = result(req, json::object());
-      rep.tensors.push_back(to_wire(out, act_codec_));
+      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(out, act_codec_); }));
       return rep;
     }
     if (last) throw WireError(WireErrc::kOutOfOrder, "the last stage takes FORWARD_LOSS, not FORWARD");
@@ -275,7 +293,7 @@ class Worker {
     if (!model_->is_first()) x.requires_grad_(true);
     torch::Tensor out = model_->forward(x);
     Message rep = result(req, json::object());
-    rep.tensors.push_back(to_wire(out, act_codec_));
+    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(out, act_codec_); }));
     remember(req.body.value("mb", uint64_t(0)), req.tensors[0].desc.checksum, x, out);
     return rep;
   }
@@ -301,7 +319,7 @@ class Worker {
     (loss * double(samples)).backward();
     stats_.backwards++;
     Message rep = result(req, json{{"loss", loss.item<double>()}, {"samples", samples}});
-    if (!model_->is_first()) rep.tensors.push_back(to_wire(x.grad(), grad_codec_));
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(x.grad(), grad_codec_); }));
     accumulate(samples);
     return rep;
   }
@@ -310,7 +328,7 @@ class Worker {
     if (model_->is_last()) throw WireError(WireErrc::kOutOfOrder, "the last stage runs its backward inside FORWARD_LOSS");
     need_tensors(req, 2);
     const uint64_t mb = req.body.value("mb", uint64_t(0));
-    torch::Tensor g = from_wire(req.tensors[1], 3, spec_.model.d_model);
+    torch::Tensor g = timed(codec_time_.grad_dec, [&] { return from_wire(req.tensors[1], 3, spec_.model.d_model); });
     if (!torch::isfinite(g).all().item<bool>()) throw WireError(WireErrc::kBadTensor, "non-finite values in the output gradient");
     torch::Tensor x, out;
     bool cached = false;
@@ -337,7 +355,7 @@ class Worker {
     stats_.backwards++;
     const int64_t samples = x.size(0);
     Message rep = result(req, json{{"cached", cached}, {"samples", samples}});
-    if (!model_->is_first()) rep.tensors.push_back(to_wire(x.grad(), grad_codec_));
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(x.grad(), grad_codec_); }));
     accumulate(samples);
     return rep;
   }

@@ -175,6 +175,44 @@ int bench_pipeline(bool as_json) {
   return 0;
 }
 
+// The bundled example, one peer per stage, once per activation/gradient codec pair: the
+// codecs' cost in validation loss against their saving in wire bytes.
+int bench_compression(bool as_json) {
+  std::ifstream f(std::string(SWARM_SOURCE_DIR) + "/examples/tiny_gpt/job.json");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const json base = json::parse(ss.str());
+  const char* codecs[] = {"fp32", "bf16", "int8", "int4"};
+  json raw = json::object();
+  for (const char* codec : codecs) {
+    json j = base;
+    j["compression"]["activations"] = codec;
+    j["compression"]["gradients"] = codec;
+    JobSpec spec = parse_job_spec(j, true);
+    json st = run_swarm(spec, 1, "compression");
+    const json& per = st["wire_bytes_per_sample"];
+    const double bytes = per.value("activations", 0.0) + per.value("gradients", 0.0);
+    raw[codec] = {{"codec", spec.compression.activations}, {"val_loss", st["val_loss"]}, {"train_loss", st["train_loss"]},
+                  {"wire_bytes_per_sample", bytes}, {"codec_ms", st["codec_ms"]}, {"tokens_per_s", train_tokens_per_s(st)}};
+    char text[256];
+    std::snprintf(text, sizeof(text), "%-5s val loss %.4f, %.0f wire bytes per sample (activations + gradients)", codec,
+                  st["val_loss"].get<double>(), bytes);
+    json line{{"bench", "compression"}, {"case", codec}};
+    line.update(raw[codec]);
+    emit(as_json, line, text);
+  }
+  auto rel = [&](const char* c) { return raw[c]["val_loss"].get<double>() / raw["fp32"]["val_loss"].get<double>() - 1.0; };
+  auto ratio = [&](const char* c) { return raw["fp32"]["wire_bytes_per_sample"].get<double>() / raw[c]["wire_bytes_per_sample"].get<double>(); };
+  json summary{{"bench", "compression"},
+               {"figures", {{"int8_loss_rel", {{"value", rel("int8")}, {"target", "<= 0.01"}}},
+                            {"int8_bytes_ratio", {{"value", ratio("int8")}, {"target", ">= 3.7"}}},
+                            {"int4_loss_rel", {{"value", rel("int4")}, {"target", "report"}}},
+                            {"int4_bytes_ratio", {{"value", ratio("int4")}, {"target", "report"}}}}},
+               {"raw", raw}};
+  std::cout << (as_json ? summary.dump() : summary.dump(2)) << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int run_bench(const std::string& name, bool as_json) {
@@ -185,7 +223,8 @@ int run_bench(const std::string& name, bool as_json) {
   }
   if (name == "transport") return bench_transport(as_json);
   if (name == "pipeline") return bench_pipeline(as_json);
-  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, transport, pipeline" << std::endl;
+  if (name == "compression") return bench_compression(as_json);
+  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline" << std::endl;
   return 2;
 }
 

@@ -160,6 +160,8 @@ json done_event(const json& st) {
               {"microbatches", st.value("microbatches", json::object())},
               {"backward", st.value("backward", json::object())},
               {"wire_bytes", st.value("wire_bytes", json::object())},
+              {"wire_bytes_per_sample", st.value("wire_bytes_per_sample", json::object())},
+              {"codec_ms", st.value("codec_ms", json::object())},
               {"rounds", st.value("rounds", 0)},
               {"history", st.value("history", json::array())}};
 }
