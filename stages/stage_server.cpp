@@ -238,8 +238,6 @@ class Worker {
   }
 
   torch::Tensor input_tensor(const wire::Tensor& t) {
-    const int B = spec_.batch.microbatch_size;
-    (void)B;
     if (model_->is_first()) {
       torch::Tensor x = from_wire(t, 2);
       if (t.desc.dtype == wire::DType::kF32) throw WireError(WireErrc::kBadTensor, "stage 0 takes token ids, not floats");
