@@ -56,8 +56,7 @@ struct Peer {
   PeerState state = PeerState::kIdle;
   Clock::time_point joined, last_seen;
   double ms_per_unit = 0;        // EMA of compute ms per work unit, from its results
-  double queued_units = 0;
-  int outstanding = 0;
+  double queued_units = 0;        // work sent to it and not answered yet
   Clock::time_point banned_until{};
   int bans = 0;
   uint64_t results = 0, failures = 0;
@@ -84,7 +83,6 @@ struct Flight {
   std::set<std::string> tried;        // peers that failed this hop
   Clock::time_point deadline{}, not_before{};
   bool waiting = true;                // no request in flight: dispatch when a peer is free
-  Clock::time_point taken_at{};
 };
 
 enum class JobState { kQueued, kLoading, kRunning, kDone, kFailed, kCancelled };
@@ -153,7 +151,6 @@ struct Job {
   uint64_t eval_next = 0;
   // Affinity statistics from RESULTs.
   uint64_t backward_cached = 0, backward_recomputed = 0;
-  bool cancel_requested = false;
 };
 
 constexpr uint64_t kEvalBit = uint64_t(1) << 62;
@@ -449,7 +446,7 @@ struct Router::Impl {
 
   json job_status(const Job& j) {
     json peers_per_stage = json::array();
-    for (int s = 0; s < j.S; ++s) peers_per_stage.push_back(const_cast<Impl*>(this)->stage_peers(j, s).size());
+    for (int s = 0; s < j.S; ++s) peers_per_stage.push_back(stage_peers(j, s).size());
     const double elapsed = secs((j.state == JobState::kDone || j.state == JobState::kFailed || j.state == JobState::kCancelled ? j.finished : Clock::now()) - j.run_started);
     json s{{"job_id", j.id},
            {"name", j.spec.name},
@@ -534,11 +531,10 @@ struct Router::Impl {
       }
       return;
     }
-    Pending pd = it->second;
-    if (pd.peer != p.route) return;  // not from the peer we asked
+    if (it->second.peer != p.route) return;  // not from the peer we asked
+    const Pending pd = it->second;
     pending.erase(it);
-    p.outstanding = std::max(0, p.outstanding - 1);
-    p.queued_units = std::max(0.0, p.queued_units - pd.units);
+    release(pd);
     Job* j = find_job(pd.job);
     if (!j || (j->state != JobState::kRunning && j->state != JobState::kLoading)) return;
     if (m.type == MsgType::kError) {
@@ -550,9 +546,7 @@ struct Router::Impl {
         ban(p);
         return;
       }
-      pending[m.id] = pd;  // request_failed looks it up
-      request_failed(m.id, /*error=*/true, msg);
-      return;
+      return fail(m.id, pd, /*error=*/true, msg);
     }
     p.results++;
     if (auto ct = m.body.find("codec_us"); ct != m.body.end() && ct->is_array() && ct->size() == 4)
@@ -568,7 +562,7 @@ struct Router::Impl {
           bench_result(*j, pd.mb);
           return;
         }
-        return on_hop_result(*j, p, pd.mb, m);
+        return on_hop_result(*j, p, pd, m);
       case Pending::kLoad: return on_loaded(*j, p, m);
       case Pending::kStep:
         j->step_waiting.erase(p.route);
@@ -589,18 +583,26 @@ struct Router::Impl {
     p.banned_until = Clock::now() + std::chrono::milliseconds(int64_t(s * 1000));
   }
 
-  // A request failed (error reply, dead peer, or deadline): re-send its work.
+  // The peer no longer owes this request's work.
+  void release(const Pending& pd) {
+    auto pit = peers.find(pd.peer);
+    if (pit != peers.end()) pit->second.queued_units = std::max(0.0, pit->second.queued_units - pd.units);
+  }
+
+  // A request still pending failed (dead peer, deadline): re-send its work.
   void request_failed(uint64_t id, bool error, const std::string& why) {
     auto it = pending.find(id);
     if (it == pending.end()) return;
-    Pending pd = it->second;
+    const Pending pd = it->second;
     pending.erase(it);
+    release(pd);
+    fail(id, pd, error, why);
+  }
+
+  // Request `id` (already out of `pending`) failed: an error bans its peer; its work is re-sent.
+  void fail(uint64_t id, const Pending& pd, bool error, const std::string& why) {
     auto pit = peers.find(pd.peer);
-    if (pit != peers.end()) {
-      pit->second.outstanding = std::max(0, pit->second.outstanding - 1);
-      pit->second.queued_units = std::max(0.0, pit->second.queued_units - pd.units);
-      if (error) ban(pit->second);
-    }
+    if (pit != peers.end() && error) ban(pit->second);
     Job* j = find_job(pd.job);
     if (!j) return;
     switch (pd.kind) {
@@ -772,7 +774,6 @@ struct Router::Impl {
   }
 
   void advance(Job& j) {
-    if (j.cancel_requested) return;
     const std::string empty = empty_stages(j);
     if (j.state == JobState::kLoading) {
       if (!empty.empty()) {
@@ -900,7 +901,6 @@ struct Router::Impl {
     mb.targets = tokens_tensor(d.y, B, T);
     mb.stage = 0;
     mb.kind = eval ? HopKind::kEval : (j.S == 1 ? HopKind::kForwardLoss : HopKind::kForward);
-    mb.taken_at = Clock::now();
     auto [it, ok] = j.inflight.emplace(key, std::move(mb));
     SWARM_CHECK(ok, "microbatch taken twice");
     return it->second;
@@ -984,14 +984,14 @@ struct Router::Impl {
     const double cap_s = mb.kind == HopKind::kBackward || mb.kind == HopKind::kForwardLoss ? j.spec.timeouts.backward_s : j.spec.timeouts.forward_s;
     const double dl_s = std::min(cap_s, std::max(2.0, 4.0 * expect_ms / 1000.0 + 1.0));
     mb.deadline = now + std::chrono::milliseconds(int64_t(dl_s * 1000));
-    p.outstanding++;
     p.queued_units += my_units;
     pending[id] = Pending{Pending::kHop, j.id, key_of(mb), p.route, "", my_units};
   }
 
   static uint64_t key_of(const Flight& mb) { return mb.eval ? (kEvalBit | mb.index) : mb.index; }
 
-  void on_hop_result(Job& j, Peer& p, uint64_t key, Message& m) {
+  void on_hop_result(Job& j, Peer& p, const Pending& pd, Message& m) {
+    const uint64_t key = pd.mb;
     auto it = j.inflight.find(key);
     if (it == j.inflight.end()) return;
     Flight& mb = it->second;
@@ -1014,9 +1014,8 @@ struct Router::Impl {
       bad = "answered without a finite loss";
     if (!bad.empty()) {
       log_warn("router", "peer " + p.name + " " + bad);
-      pending[m.id] = Pending{Pending::kHop, j.id, key, p.route, "", 0};
-      request_failed(m.id, /*error=*/true, bad);
-      return;
+      p.failures++;
+      return fail(m.id, pd, /*error=*/true, bad);
     }
     mb.req_id = 0;
     mb.waiting = true;
@@ -1264,13 +1263,10 @@ struct Router::Impl {
   }
 
   // In a transport benchmark a FORWARD result completes the microbatch.
-  bool bench_result(Job& j, uint64_t key) {
-    auto it = j.inflight.find(key);
-    if (it == j.inflight.end()) return false;
-    j.inflight.erase(it);
+  void bench_result(Job& j, uint64_t key) {
+    if (j.inflight.erase(key) == 0) return;
     j.completed++;
     j.bench_done++;
-    return true;
   }
 
   // ---------------------------------------------------------------- the end
@@ -1283,11 +1279,7 @@ struct Router::Impl {
     // Requests still out for this job are dropped: their replies count as duplicates.
     for (auto it = pending.begin(); it != pending.end();) {
       if (it->second.job == j.id) {
-        auto p = peers.find(it->second.peer);
-        if (p != peers.end()) {
-          p->second.outstanding = std::max(0, p->second.outstanding - 1);
-          p->second.queued_units = std::max(0.0, p->second.queued_units - it->second.units);
-        }
+        release(it->second);
         superseded.insert(it->first);
         it = pending.erase(it);
       } else {

@@ -82,9 +82,9 @@ size_t LocalSwarm::start_stage(int stage, const std::string& name, int threads, 
   StageProc p;
   p.stage = stage;
   p.name = name;
+  p.threads = threads;
   p.extra_args = extra_args;
   stages_.push_back(p);
-  stage_threads_.push_back(threads);
   restart_stage(stages_.size() - 1);
   return stages_.size() - 1;
 }
@@ -96,7 +96,7 @@ void LocalSwarm::restart_stage(size_t i) {
     waitpid(p.pid, nullptr, 0);
   }
   std::vector<std::string> argv = {bin_dir_ + "/swarm-stage", "--router", endpoint_, "--name", p.name,
-                                   "--threads", std::to_string(stage_threads_[i])};
+                                   "--threads", std::to_string(p.threads)};
   if (p.stage >= 0) {
     argv.push_back("--stage");
     argv.push_back(std::to_string(p.stage));

@@ -21,6 +21,7 @@ struct StageProc {
   pid_t pid = -1;
   int stage = -1;
   std::string name;
+  int threads = 1;
   std::vector<std::string> extra_args;
 };
 
@@ -52,7 +53,6 @@ class LocalSwarm {
   pid_t router_pid_ = -1;
   std::vector<std::string> router_args_;
   std::vector<StageProc> stages_;
-  std::vector<int> stage_threads_;
 };
 
 // The directory holding the running executable (where swarm-router and swarm-stage live).
