@@ -10,6 +10,7 @@ packages=(
   libmsgpack-cxx-dev nlohmann-json3-dev libxxhash-dev
   libcli11-dev libgtest-dev
   fortunes                             # the bundled example's training text
+  python3-torch                        # tests/python/check_export.py: `swarm export` read back by PyTorch
 )
 
 missing=()
