@@ -19,6 +19,8 @@ struct RouterOptions {
   int heartbeat_ms = 500;                   // peers heartbeat this often
   int liveness = 3;                         // heartbeats missed before a peer is dead (1.5 s)
   std::string ready_file;                   // written with the bound endpoint once listening
+  std::string state_dir;                    // jobs and their checkpoints; unfinished jobs resume from it
+  int quarantine_after = 3;                 // integrity failures (corrupt, misshapen, non-finite) before a peer is quarantined
 };
 
 class Router {

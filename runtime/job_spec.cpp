@@ -428,6 +428,9 @@ void fill_and_validate(JobSpec& s, bool check_files) {
 
   // optimizer
   OptimizerSpec& o = s.optimizer;
+  if (o.name != "adamw" && o.name != "sgd") {
+    fail("optimizer.name", "must be \"adamw\" or \"sgd\" (plain SGD with the same schedule, clipping and decay), got " + quote(o.name));
+  }
   if (!(o.lr > 0)) fail("optimizer.lr", "must be > 0, got " + num(o.lr) + "; e.g. 1e-3");
   if (o.min_lr < 0) fail("optimizer.min_lr", "must be >= 0, got " + num(o.min_lr));
   if (o.min_lr > o.lr) {
@@ -453,6 +456,39 @@ void fill_and_validate(JobSpec& s, bool check_files) {
     fail("diloco.outer_momentum", "must be in [0, 1), got " + num(dl.outer_momentum) + "; DiLoCo uses 0.9");
   }
   if (!(dl.deadline_s > 0)) fail("diloco.deadline_s", "must be > 0 seconds, got " + num(dl.deadline_s));
+  if (dl.sync != "rounds" && dl.sync != "every_step") {
+    fail("diloco.sync", "must be \"rounds\" (DiLoCo: an outer step every inner_steps) or \"every_step\" "
+                        "(average gradients every step, the data-parallel reference), got " + quote(dl.sync));
+  }
+  require_positive("diloco.streaming.fragments", dl.fragments, "the number of parameter fragments (1: no streaming)");
+  if (dl.fragments > dl.inner_steps) {
+    fail("diloco.streaming.fragments", std::to_string(dl.fragments) + " fragments but diloco.inner_steps is " +
+                                           std::to_string(dl.inner_steps) + "; each fragment syncs once every inner_steps "
+                                           "steps, at most one per step, so use at most inner_steps fragments");
+  }
+  if (dl.overlap_steps < 0 || dl.overlap_steps >= std::max(1, dl.inner_steps / dl.fragments)) {
+    fail("diloco.streaming.overlap_steps", "must be >= 0 and below inner_steps / fragments (" +
+                                               std::to_string(dl.inner_steps / dl.fragments) + "), got " +
+                                               std::to_string(dl.overlap_steps) + ": a fragment's exchange must land before the next one starts");
+  }
+  if (dl.sync == "every_step" && s.schedule != "sync") {
+    fail("diloco.sync", "\"every_step\" averages gradients at every optimizer step, which needs schedule \"sync\" "
+                        "(a barrier at every step); set \"schedule\": \"sync\"");
+  }
+
+  // checkpoint
+  if (s.checkpoint.every_steps < 0) fail("checkpoint.every_steps", "must be >= 0 (0 writes one at the end)");
+  require_positive("checkpoint.keep", s.checkpoint.keep, "the number of checkpoints kept");
+  if (s.checkpoint.snapshot_every_steps < 0) fail("checkpoint.snapshot_every_steps", "must be >= 0 (0 snapshots after every round)");
+
+  // routing
+  if (s.routing.mode != "swarm" && s.routing.mode != "static") {
+    fail("routing.mode", "must be \"swarm\" (each hop to the peer that finishes it first) or \"static\" "
+                         "(fixed pipelines, for comparison), got " + quote(s.routing.mode));
+  }
+  if (!(s.routing.rebalance_period_s > 0)) fail("routing.rebalance_period_s", "must be > 0 seconds");
+  if (!(s.routing.min_gain >= 0)) fail("routing.min_gain", "must be >= 0 (a fraction, e.g. 0.1)");
+  if (!(s.routing.cooldown_s >= 0)) fail("routing.cooldown_s", "must be >= 0 seconds");
 
   // compression: codec names are checked by the caller (compression/codec.h); runtime stays
   // independent of the codecs.
@@ -505,7 +541,7 @@ int JobSpec::first_layer(int stage) const {
 JobSpec parse_job_spec(const json& j, bool check_files) {
   JobSpec s;
   Obj top(j, "", {"name", "seed", "steps", "schedule", "max_inflight", "model", "partition", "data", "batch",
-                  "optimizer", "diloco", "compression", "eval", "timeouts"});
+                  "optimizer", "diloco", "compression", "eval", "timeouts", "checkpoint", "routing"});
   top.get("name", s.name);
   top.get("seed", s.seed);
   top.get("steps", s.steps);
@@ -544,7 +580,8 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
     o.get("inner_batch", s.batch.inner_batch);
   }
   if (const json* v = top.sub("optimizer")) {
-    Obj o(*v, "optimizer", {"lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip"});
+    Obj o(*v, "optimizer", {"name", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip"});
+    o.get("name", s.optimizer.name);
     o.get("lr", s.optimizer.lr);
     o.get("min_lr", s.optimizer.min_lr);
     o.get("warmup_steps", s.optimizer.warmup_steps);
@@ -555,12 +592,33 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
     o.get("grad_clip", s.optimizer.grad_clip);
   }
   if (const json* v = top.sub("diloco")) {
-    Obj o(*v, "diloco", {"inner_steps", "outer_lr", "outer_momentum", "nesterov", "deadline_s"});
+    Obj o(*v, "diloco", {"inner_steps", "outer_lr", "outer_momentum", "nesterov", "deadline_s", "sync", "streaming"});
     o.get("inner_steps", s.diloco.inner_steps);
     o.get("outer_lr", s.diloco.outer_lr);
     o.get("outer_momentum", s.diloco.outer_momentum);
     o.get("nesterov", s.diloco.nesterov);
     o.get("deadline_s", s.diloco.deadline_s);
+    o.get("sync", s.diloco.sync);
+    if (const json* st = o.sub("streaming")) {
+      Obj so(*st, "diloco.streaming", {"fragments", "overlap_steps"});
+      so.get("fragments", s.diloco.fragments);
+      so.get("overlap_steps", s.diloco.overlap_steps);
+    }
+  }
+  if (const json* v = top.sub("checkpoint")) {
+    Obj o(*v, "checkpoint", {"dir", "every_steps", "keep", "snapshot_every_steps"});
+    o.get("dir", s.checkpoint.dir);
+    o.get("every_steps", s.checkpoint.every_steps);
+    o.get("keep", s.checkpoint.keep);
+    o.get("snapshot_every_steps", s.checkpoint.snapshot_every_steps);
+  }
+  if (const json* v = top.sub("routing")) {
+    Obj o(*v, "routing", {"mode", "rebalance", "rebalance_period_s", "min_gain", "cooldown_s"});
+    o.get("mode", s.routing.mode);
+    o.get("rebalance", s.routing.rebalance);
+    o.get("rebalance_period_s", s.routing.rebalance_period_s);
+    o.get("min_gain", s.routing.min_gain);
+    o.get("cooldown_s", s.routing.cooldown_s);
   }
   if (const json* v = top.sub("compression")) {
     Obj o(*v, "compression", {"activations", "gradients", "outer"});
@@ -621,7 +679,8 @@ json to_json(const JobSpec& s) {
   j["batch"] = {{"batch_size", s.batch.batch_size},
                 {"microbatch_size", s.batch.microbatch_size},
                 {"inner_batch", s.batch.inner_batch}};
-  j["optimizer"] = {{"lr", s.optimizer.lr},
+  j["optimizer"] = {{"name", s.optimizer.name},
+                    {"lr", s.optimizer.lr},
                     {"min_lr", s.optimizer.min_lr},
                     {"warmup_steps", s.optimizer.warmup_steps},
                     {"weight_decay", s.optimizer.weight_decay},
@@ -633,7 +692,9 @@ json to_json(const JobSpec& s) {
                  {"outer_lr", s.diloco.outer_lr},
                  {"outer_momentum", s.diloco.outer_momentum},
                  {"nesterov", s.diloco.nesterov},
-                 {"deadline_s", s.diloco.deadline_s}};
+                 {"deadline_s", s.diloco.deadline_s},
+                 {"sync", s.diloco.sync},
+                 {"streaming", {{"fragments", s.diloco.fragments}, {"overlap_steps", s.diloco.overlap_steps}}}};
   j["compression"] = {{"activations", s.compression.activations},
                       {"gradients", s.compression.gradients},
                       {"outer", s.compression.outer}};
@@ -641,6 +702,15 @@ json to_json(const JobSpec& s) {
   j["timeouts"] = {{"forward_s", s.timeouts.forward_s},
                    {"backward_s", s.timeouts.backward_s},
                    {"max_attempts", s.timeouts.max_attempts}};
+  j["checkpoint"] = {{"dir", s.checkpoint.dir},
+                     {"every_steps", s.checkpoint.every_steps},
+                     {"keep", s.checkpoint.keep},
+                     {"snapshot_every_steps", s.checkpoint.snapshot_every_steps}};
+  j["routing"] = {{"mode", s.routing.mode},
+                  {"rebalance", s.routing.rebalance},
+                  {"rebalance_period_s", s.routing.rebalance_period_s},
+                  {"min_gain", s.routing.min_gain},
+                  {"cooldown_s", s.routing.cooldown_s}};
   return j;
 }
 

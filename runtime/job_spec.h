@@ -41,7 +41,8 @@ struct BatchSpec {
   int inner_batch = 0;       // async: samples a peer accumulates before its optimizer step; 0 -> batch_size
 };
 
-struct OptimizerSpec {     // inner AdamW with linear warmup then cosine decay to min_lr
+struct OptimizerSpec {     // inner optimizer with linear warmup then cosine decay to min_lr
+  std::string name = "adamw";  // "adamw", or "sgd" (no moments: p -= lr * mean gradient)
   double lr = 1e-3;
   double min_lr = 1e-4;
   int warmup_steps = 10;
@@ -61,6 +62,11 @@ struct DilocoSpec {
   double outer_momentum = 0.9;
   bool nesterov = true;
   double deadline_s = 30.0;    // a round ignores contributions that arrive later
+  // "rounds": DiLoCo (an outer step every inner_steps). "every_step": the data-parallel
+  // reference, the group averages its gradients at every inner step and takes one AdamW step.
+  std::string sync = "rounds";
+  int fragments = 1;           // streaming: the parameters split in F fragments, one synced every H/F steps
+  int overlap_steps = 0;       // streaming: inner steps a fragment's exchange overlaps before it is applied
 };
 
 struct CompressionSpec {       // codec names as compression/codec.h parses them ("fp32", "bf16", "int8:block=64", ...)
@@ -82,6 +88,23 @@ struct TimeoutSpec {
   int max_attempts = 8;      // attempts per hop before the job fails
 };
 
+// Durability: stage snapshots kept by the router, checkpoints written to disk.
+struct CheckpointSpec {
+  std::string dir;             // "" -> <router --state-dir>/jobs/<id>/checkpoints, or none without a state dir
+  int every_steps = 0;         // 0 -> only at the end (when a dir is known)
+  int keep = 3;                // newest complete checkpoints kept
+  int snapshot_every_steps = 0;  // stage snapshots held by the router; 0 -> after every round
+};
+
+// How hops find peers, and whether the router moves peers between stages.
+struct RoutingSpec {
+  std::string mode = "swarm";  // "swarm" (least expected completion) or "static" (fixed pipelines)
+  bool rebalance = true;       // move peers to the bottleneck stage
+  double rebalance_period_s = 180;  // mean period (randomised +-25%)
+  double min_gain = 0.10;      // a move must raise the minimum stage throughput by this fraction
+  double cooldown_s = 300;     // no move of the same peer, and no move at all, within this
+};
+
 struct JobSpec {
   std::string name = "job";
   uint64_t seed = 1;
@@ -97,6 +120,8 @@ struct JobSpec {
   CompressionSpec compression;
   EvalSpec eval;
   TimeoutSpec timeouts;
+  CheckpointSpec checkpoint;
+  RoutingSpec routing;
 
   // Derived helpers.
   int microbatches_per_step() const { return batch.batch_size / batch.microbatch_size; }

@@ -177,6 +177,8 @@ const char* msg_type_name(MsgType t) {
     case MsgType::kCancel: return "CANCEL";
     case MsgType::kPeers: return "PEERS";
     case MsgType::kPeersReply: return "PEERS_REPLY";
+    case MsgType::kChaos: return "CHAOS";
+    case MsgType::kChaosReply: return "CHAOS_REPLY";
   }
   return "?";
 }
@@ -273,6 +275,19 @@ Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
   }
   m.body.erase("tensors");
   return m;
+}
+
+std::optional<uint64_t> peek_id(const std::vector<zmq::message_t>& frames) {
+  if (frames.empty() || frames[0].size() > limits::kMaxEnvelopeBytes) return std::nullopt;
+  try {
+    json env = unpack_frame(frames[0], "envelope");
+    if (!env.is_array() || env.size() != 5 || !env[0].is_string() || env[0].get<std::string>() != kMagic ||
+        !env[3].is_number_unsigned())
+      return std::nullopt;
+    return env[3].get<uint64_t>();
+  } catch (const WireError&) {
+    return std::nullopt;
+  }
 }
 
 std::vector<zmq::message_t> encode(Message& m) {

@@ -57,6 +57,9 @@ enum class MsgType : int {
   kCancel = 54,     // {job_id}; reply kStatusReply
   kPeers = 55,      // reply kPeersReply {peers: [...]}
   kPeersReply = 56,
+  kChaos = 57,      // client -> router {peer, fault}: inject a fault into a live peer; the router
+                    // checks the spec, forwards {fault} to the peer and replies kChaosReply {peer}
+  kChaosReply = 58,
 };
 const char* msg_type_name(MsgType t);
 bool known_type(int t);
@@ -109,6 +112,9 @@ Tensor share(Tensor& t);
 // every tensor description against its frame and codec, and checksums (when verify is true).
 // Throws WireError; never crashes on any input.
 Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums = true);
+// The request id of a message that failed to decode, when at least its envelope is sound
+// (e.g. a tensor frame failed its checksum): the router re-sends that request at once.
+std::optional<uint64_t> peek_id(const std::vector<zmq::message_t>& frames);
 // Message -> frames (moves the tensor payloads out of `m`).
 std::vector<zmq::message_t> encode(Message& m);
 

@@ -55,6 +55,15 @@ double AdamW::step(int64_t samples) {
   }
 
   ++t_;
+  if (opt_.name == "sgd") {
+    for (size_t i : live) {
+      torch::Tensor p = params_[i].second.data();
+      if (decay_[i] && opt_.weight_decay != 0) p.mul_(1.0 - lr * opt_.weight_decay);
+      p.add_(params_[i].second.grad(), -lr);
+    }
+    zero_grad();
+    return norm;
+  }
   const double bc1 = 1.0 - std::pow(opt_.beta1, static_cast<double>(t_));
   const double bc2_sqrt = std::sqrt(1.0 - std::pow(opt_.beta2, static_cast<double>(t_)));
   const double step_size = lr / bc1;

@@ -10,6 +10,8 @@
 // The update is torch.optim.AdamW's (bias-corrected moments; decoupled weight decay
 // p *= 1 - lr * weight_decay on tensors with dim >= 2 only, as nanoGPT's groups), and clipping
 // is torch.nn.utils.clip_grad_norm_'s (scale by grad_clip / (norm + 1e-6) when below 1).
+// With optimizer.name "sgd" the same class takes plain SGD steps (p -= lr * g, same schedule,
+// clipping and decay; the moments stay zero): the inner optimizer of the closed-form tests.
 // Parameters are updated in place through their `.data()` alias under NoGradGuard, so their
 // autograd version counters do not move: a graph built before a step (the stage server's
 // affinity cache) still runs backward after it, with the updated values.

@@ -5,7 +5,9 @@
 // and queues work for the compute thread; it reconnects when the router goes silent. The
 // compute thread owns the model: it runs forwards and backwards, the inner optimizer and the
 // peer's side of the within-stage round, and sends its replies back through an inproc pipe so
-// that only the I/O thread touches the network socket.
+// that only the I/O thread touches the network socket. Injected faults (stages/stage_faults.h,
+// inert unless configured) see every message the I/O thread passes and every request the
+// compute thread handles.
 #include "stages/stage_server.h"
 
 #include <unistd.h>
@@ -14,19 +16,23 @@
 #include <condition_variable>
 #include <cmath>
 #include <deque>
+#include <limits>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <thread>
 
 #include "compression/codec.h"
+#include "runtime/diloco.h"
 #include "runtime/job_spec.h"
 #include "runtime/log.h"
 #include "runtime/wire.h"
 #include "stages/compute_threads.h"
 #include "stages/model.h"
 #include "stages/optim.h"
+#include "stages/stage_faults.h"
 #include "stages/tensor_codec.h"
 
 namespace swarm {
@@ -54,11 +60,15 @@ struct SharedStats {
 // Work queue from the I/O thread to the compute thread.
 class Inbox {
  public:
-  void push(Message m) {
-    { std::lock_guard<std::mutex> l(mu_); q_.push_back(std::move(m)); }
+  struct Work {
+    Message msg;
+    uint64_t seq = 0;  // the request's number since the process started (fault triggers)
+  };
+  void push(Message m, uint64_t seq) {
+    { std::lock_guard<std::mutex> l(mu_); q_.push_back(Work{std::move(m), seq}); }
     cv_.notify_one();
   }
-  bool pop(Message* out, std::atomic<bool>& stop) {
+  bool pop(Work* out, std::atomic<bool>& stop) {
     std::unique_lock<std::mutex> l(mu_);
     while (q_.empty()) {
       if (stop) return false;
@@ -74,7 +84,7 @@ class Inbox {
  private:
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Message> q_;
+  std::deque<Work> q_;
 };
 
 // A forward's autograd graph, kept so the BACKWARD of the same microbatch skips the recompute.
@@ -88,14 +98,16 @@ struct CacheEntry {
 // The compute side: model, optimizer, round state.
 class Worker {
  public:
-  Worker(const StageOptions& opt, SharedStats& stats) : opt_(opt), stats_(stats) {}
+  Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults) : opt_(opt), stats_(stats), faults_(faults) {}
 
-  // Handles one request; returns the reply (an ERROR for bad input).
-  Message handle(Message& req) {
+  // Handles one request (number `seq`); returns the reply (an ERROR for bad input).
+  Message handle(Message& req, uint64_t seq = 0) {
+    begin_faults(req, seq);  // may crash or freeze here, before the clock starts
     const auto t0 = Clock::now();
     codec_time_ = CodecTime{};
     try {
       Message rep = dispatch(req);
+      end_faults(rep);
       if (codec_time_.any())
         rep.body["codec_us"] = {codec_time_.act_enc, codec_time_.act_dec, codec_time_.grad_enc, codec_time_.grad_dec};
       double units = work_units(req.type, rep);
@@ -171,11 +183,48 @@ class Worker {
     }
   }
 
+  // --emulate and an injected slow fault both stretch the compute time.
   void pad_for_emulation(Clock::time_point t0) {
-    if (opt_.emulate <= 1.0) return;
+    const double factor = opt_.emulate * fault_.slow;
+    if (factor <= 1.0) return;
     const double spent = ms_since(t0);
-    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(spent * (opt_.emulate - 1.0)));
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(spent * (factor - 1.0)));
   }
+
+  // --- injected faults for the request at hand (stages/stage_faults.h) ---
+
+  void begin_faults(const Message& req, uint64_t seq) {
+    fault_type_ = req.type;
+    fault_seq_ = seq;
+    fault_after_done_ = !faults_.armed();
+    fault_ = faults_.before_compute(int(req.type), seq, has_output(req.type));
+  }
+
+  // The after_compute check, once per request: when its first output is encoded, else at the end.
+  void after_compute() {
+    if (fault_after_done_) return;
+    fault_after_done_ = true;
+    const StageFaults::Compute c = faults_.after_compute(int(fault_type_), fault_seq_, has_output(fault_type_));
+    fault_.slow *= c.slow;
+    fault_.nan = fault_.nan || c.nan;
+  }
+
+  void end_faults(Message& rep) {
+    after_compute();
+    if (fault_.nan && rep.body.contains("loss")) rep.body["loss"] = std::numeric_limits<double>::quiet_NaN();
+  }
+
+  // An output about to be encoded. Under a nan fault: all NaN and one +Inf, so that every codec
+  // carries it (int8/int4 blocks holding NaN/Inf decode to NaN). The model itself is untouched.
+  torch::Tensor emit(const torch::Tensor& t) {
+    after_compute();
+    if (!fault_.nan) return t;
+    torch::Tensor p = torch::full(t.sizes(), std::numeric_limits<float>::quiet_NaN(), t.options());
+    if (p.numel() > 0) p.view(-1)[0].fill_(std::numeric_limits<float>::infinity());
+    return p;
+  }
+
+  bool has_output(MsgType t) const { return model_ && !(t == MsgType::kBackward && model_->is_first()); }
 
   Message echo(Message& req) {
     if (req.type == MsgType::kLoadStage) return Message(MsgType::kStageReady, req.id, req.attempt, json{{"echo", true}});
@@ -209,7 +258,9 @@ class Worker {
     theta_g_ = flatten();
     momentum_.assign(theta_g_.size(), 0.f);
     accum_samples_ = 0;
-    round_samples_ = 0;
+    frag_samples_.clear();
+    sent_.clear();
+    outer_ef_.reset();
     const double fwd_ms = measure();
     stats_.stage = stage;
     stats_.job_id = job;
@@ -283,7 +334,7 @@ class Worker {
         return result(req, json{{"loss", loss}});
       }
       Message rep = result(req, json::object());
-      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(out, act_codec_); }));
+      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(emit(out), act_codec_); }));
       return rep;
     }
     if (last) throw WireError(WireErrc::kOutOfOrder, "the last stage takes FORWARD_LOSS, not FORWARD");
@@ -291,7 +342,7 @@ class Worker {
     if (!model_->is_first()) x.requires_grad_(true);
     torch::Tensor out = model_->forward(x);
     Message rep = result(req, json::object());
-    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(out, act_codec_); }));
+    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(emit(out), act_codec_); }));
     remember(req.body.value("mb", uint64_t(0)), req.tensors[0].desc.checksum, x, out);
     return rep;
   }
@@ -317,7 +368,7 @@ class Worker {
     (loss * double(samples)).backward();
     stats_.backwards++;
     Message rep = result(req, json{{"loss", loss.item<double>()}, {"samples", samples}});
-    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(x.grad(), grad_codec_); }));
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(emit(x.grad()), grad_codec_); }));
     accumulate(samples);
     return rep;
   }
@@ -353,7 +404,7 @@ class Worker {
     stats_.backwards++;
     const int64_t samples = x.size(0);
     Message rep = result(req, json{{"cached", cached}, {"samples", samples}});
-    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(x.grad(), grad_codec_); }));
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(emit(x.grad()), grad_codec_); }));
     accumulate(samples);
     return rep;
   }
@@ -361,7 +412,7 @@ class Worker {
   // Async: a peer steps on its own once it has accumulated inner_batch samples.
   void accumulate(int64_t samples) {
     accum_samples_ += samples;
-    round_samples_ += samples;
+    for (int f = 0; f < spec_.diloco.fragments; ++f) frag_samples_[f] += samples;
     const int inner = spec_.batch.inner_batch > 0 ? spec_.batch.inner_batch : spec_.batch.batch_size;
     if (spec_.schedule == "async" && accum_samples_ >= inner) take_step();
   }
@@ -415,10 +466,12 @@ class Worker {
     return to_wire(t, codec);
   }
 
-  std::vector<float> flat_from_wire(const wire::Tensor& t) {
-    if (t.desc.dtype != wire::DType::kF32 || t.desc.shape.size() != 1 || t.desc.numel() != int64_t(theta_g_.size()))
+  // A flat fp32 tensor of n values (default: the whole stage), decoded and all finite.
+  std::vector<float> flat_from_wire(const wire::Tensor& t, size_t n = 0) {
+    if (n == 0) n = theta_g_.size();
+    if (t.desc.dtype != wire::DType::kF32 || t.desc.shape.size() != 1 || t.desc.numel() != int64_t(n))
       throw WireError(WireErrc::kBadTensor, "flat parameter tensor of the wrong size for this stage");
-    std::vector<float> v(theta_g_.size());
+    std::vector<float> v(n);
     try {
       compression::decode(t.desc.codec, static_cast<const uint8_t*>(t.data.data()), t.data.size(), int64_t(v.size()), v.data());
     } catch (const CodecError& e) {
@@ -429,54 +482,187 @@ class Worker {
     return v;
   }
 
+  // ROUND_BEGIN {round, what, fragment, fragments}. "delta" (DiLoCo): the outer gradient
+  // theta_g - theta over the fragment's range, and the samples this peer trained on since that
+  // fragment last synced. "grad" (sync every_step): the gradient sums since the last step and
+  // their samples. Both travel through the outer codec; a lossy one keeps what it could not
+  // send (error feedback) for the next round.
   Message round_begin(Message& req) {
-    std::vector<float> delta = flatten();
-    for (size_t i = 0; i < delta.size(); ++i) delta[i] = theta_g_[i] - delta[i];
+    const std::string what = req.body.value("what", std::string("delta"));
+    const int f = req.body.value("fragment", 0);
+    const auto [lo, hi] = fragment(req);
+    std::vector<float> v;
+    int64_t samples = 0;
+    if (what == "grad") {
+      v = flat_grads();
+      samples = accum_samples_;
+    } else {
+      const std::vector<float> theta = flatten();
+      v.resize(hi - lo);
+      for (size_t i = lo; i < hi; ++i) v[i - lo] = theta_g_[i] - theta[i];
+      sent_[f].assign(theta.begin() + long(lo), theta.begin() + long(hi));
+      samples = frag_samples_[f];
+    }
     Message rep(MsgType::kRoundDelta, req.id, req.attempt,
-                json{{"round", req.body.value("round", uint64_t(0))}, {"stage", stage_}, {"samples", round_samples_}});
-    rep.tensors.push_back(flat_tensor(delta, outer_codec_));
+                json{{"round", req.body.value("round", uint64_t(0))}, {"stage", stage_}, {"samples", samples}, {"what", what}});
+    rep.tensors.push_back(outer_encode(what + ":" + std::to_string(f), v));
     return rep;
   }
 
-  // theta_g <- theta_g - lr * (nesterov ? d + mu * m : m) with m <- mu * m + d, in fp32 on the
-  // CPU through this one loop, so every peer of the group computes the same bits.
+  // ROUND_APPLY. "delta": the group's mean outer gradient d for the fragment; theta_g and the
+  // momentum take the outer step (diloco::outer_step: the same fp32 loop on every peer) and
+  // the local weights become theta_g plus whatever this peer learned since it sent its delta
+  // (nothing, unless the exchange overlapped inner steps). "grad": the group's gradient sum
+  // over {samples}; one inner optimizer step with it, identical on every peer.
   Message round_apply(Message& req) {
     need_tensors(req, 1);
-    const std::vector<float> d = flat_from_wire(req.tensors[0]);
-    const float lr = float(spec_.diloco.outer_lr), mu = float(spec_.diloco.outer_momentum);
-    const bool nesterov = spec_.diloco.nesterov;
-    for (size_t i = 0; i < d.size(); ++i) {
-      const float m = mu * momentum_[i] + d[i];
-      momentum_[i] = m;
-      const float upd = nesterov ? d[i] + mu * m : m;
-      theta_g_[i] = theta_g_[i] - lr * upd;
+    const std::string what = req.body.value("what", std::string("delta"));
+    const int f = req.body.value("fragment", 0);
+    const auto [lo, hi] = fragment(req);
+    if (what == "grad") {
+      const std::vector<float> g = flat_from_wire(req.tensors[0], theta_g_.size());
+      const int64_t samples = req.body.at("samples").get<int64_t>();
+      set_grads(g);
+      if (samples > 0) optim_->step(samples);
+      optim_->zero_grad();
+      accum_samples_ = 0;
+      stats_.steps++;
+      theta_g_ = flatten();
+    } else {
+      const std::vector<float> d = flat_from_wire(req.tensors[0], hi - lo);
+      diloco::outer_step(theta_g_.data() + lo, momentum_.data() + lo, d.data(), hi - lo, float(spec_.diloco.outer_lr),
+                         float(spec_.diloco.outer_momentum), spec_.diloco.nesterov);
+      std::vector<float> theta = flatten();
+      auto sent = sent_.find(f);
+      for (size_t i = lo; i < hi; ++i) {
+        const float progress = sent != sent_.end() ? theta[i] - sent->second[i - lo] : 0.f;
+        theta[i] = theta_g_[i] + progress;
+      }
+      if (sent != sent_.end()) sent_.erase(sent);
+      load_flat(theta);
+      frag_samples_[f] = 0;
     }
-    load_flat(theta_g_);
-    round_samples_ = 0;
     return Message(MsgType::kRoundDone, req.id, req.attempt,
                    json{{"round", req.body.value("round", uint64_t(0))}, {"stage", stage_}, {"hash", state_hash()}});
   }
 
+  // The flat range of the round's fragment (all parameters when the job does not stream).
+  std::pair<size_t, size_t> fragment(const Message& req) {
+    const int F = req.body.value("fragments", 1), f = req.body.value("fragment", 0);
+    if (F < 1 || f < 0 || f >= F) throw WireError(WireErrc::kMalformed, "fragment " + std::to_string(f) + " of " + std::to_string(F));
+    return diloco::fragment_range(theta_g_.size(), F, f);
+  }
+
+  wire::Tensor outer_encode(const std::string& key, const std::vector<float>& v) {
+    if (outer_codec_.lossless()) return flat_tensor(v, outer_codec_);
+    const auto n = int64_t(v.size());
+    wire::Tensor t = wire::make_tensor(wire::DType::kF32, {n}, outer_codec_, compression::encoded_bytes(outer_codec_, n));
+    outer_ef_.encode(key, outer_codec_, v.data(), n, static_cast<uint8_t*>(t.data.data()));
+    wire::seal(t);
+    return t;
+  }
+
+  // The accumulated gradient sums, flat (zeros where a parameter has none).
+  std::vector<float> flat_grads() {
+    std::vector<float> flat;
+    flat.reserve(theta_g_.size());
+    for (const auto& [name, p] : model_->named_parameters()) {
+      torch::Tensor g = p.grad().defined() ? p.grad().detach().to(torch::kCPU).to(torch::kFloat32).contiguous()
+                                           : torch::zeros({p.numel()}, torch::kFloat32);
+      flat.insert(flat.end(), g.data_ptr<float>(), g.data_ptr<float>() + g.numel());
+    }
+    return flat;
+  }
+
+  void set_grads(const std::vector<float>& flat) {
+    size_t off = 0;
+    for (const auto& [name, p] : model_->named_parameters()) {
+      torch::Tensor g = torch::from_blob(const_cast<float*>(flat.data() + off), p.sizes(), torch::kFloat32).clone();
+      p.mutable_grad() = g.to(p.device());
+      off += size_t(p.numel());
+    }
+  }
+
+  // STATE_REQUEST: theta_g and the outer momentum; with {"full": true} also this peer's local
+  // weights and AdamW moments (flat, named_parameters order) and its step count: a stage
+  // snapshot or checkpoint.
   Message state_request(Message& req) {
-    Message rep(MsgType::kStateReply, req.id, req.attempt, json{{"stage", stage_}, {"hash", state_hash()}});
+    const bool full = req.body.value("full", false);
+    Message rep(MsgType::kStateReply, req.id, req.attempt, json{{"stage", stage_}, {"hash", state_hash()}, {"full", full}});
     rep.tensors.push_back(flat_tensor(theta_g_, compression::CodecSpec{}));
     rep.tensors.push_back(flat_tensor(momentum_, compression::CodecSpec{}));
+    if (full) {
+      std::vector<float> m, v;
+      int64_t step = 0;
+      optimizer_flat(&m, &v, &step);
+      rep.tensors.push_back(flat_tensor(flatten(), compression::CodecSpec{}));
+      rep.tensors.push_back(flat_tensor(m, compression::CodecSpec{}));
+      rep.tensors.push_back(flat_tensor(v, compression::CodecSpec{}));
+      rep.body["adam_step"] = step;
+      rep.body["steps"] = optim_->steps_taken();
+    }
     return rep;
   }
 
+  // STATE_LOAD: tensors [theta_g, momentum] (a donor's) set theta = theta_g; with
+  // [theta_g, momentum, theta, adam_m, adam_v] and {adam_step} (a snapshot or checkpoint) the
+  // local weights and the optimizer continue exactly where they were.
   Message state_load(Message& req) {
-    need_tensors(req, 2);
+    if (req.tensors.size() != 2 && req.tensors.size() != 5)
+      throw WireError(WireErrc::kMalformed, "STATE_LOAD carries 2 or 5 tensors, got " + std::to_string(req.tensors.size()));
     std::vector<float> tg = flat_from_wire(req.tensors[0]);
     std::vector<float> m = flat_from_wire(req.tensors[1]);
+    if (req.tensors.size() == 5) {
+      std::vector<float> theta = flat_from_wire(req.tensors[2]);
+      std::vector<float> am = flat_from_wire(req.tensors[3]);
+      std::vector<float> av = flat_from_wire(req.tensors[4]);
+      load_optimizer_flat(am, av, req.body.at("adam_step").get<int64_t>());
+      load_flat(theta);
+    } else {
+      load_flat(tg);
+    }
     theta_g_ = std::move(tg);
     momentum_ = std::move(m);
-    load_flat(theta_g_);
-    round_samples_ = 0;
+    frag_samples_.clear();
+    sent_.clear();
+    accum_samples_ = 0;
+    optim_->zero_grad();
     return Message(MsgType::kRoundDone, req.id, req.attempt, json{{"stage", stage_}, {"hash", state_hash()}});
+  }
+
+  void optimizer_flat(std::vector<float>* m, std::vector<float>* v, int64_t* step) {
+    std::map<std::string, torch::Tensor> st;
+    for (auto& [name, t] : optim_->state()) st[name] = t;
+    for (const auto& [name, p] : model_->named_parameters()) {
+      for (auto [suffix, out] : {std::make_pair(".exp_avg", m), std::make_pair(".exp_avg_sq", v)}) {
+        torch::Tensor c = st.at(name + suffix).detach().to(torch::kCPU).to(torch::kFloat32).contiguous();
+        out->insert(out->end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+      }
+    }
+    *step = st.at("step").item<int64_t>();
+  }
+
+  void load_optimizer_flat(const std::vector<float>& m, const std::vector<float>& v, int64_t step) {
+    std::vector<std::pair<std::string, torch::Tensor>> st;
+    size_t off = 0;
+    for (const auto& [name, p] : model_->named_parameters()) {
+      const auto n = size_t(p.numel());
+      st.emplace_back(name + ".exp_avg", torch::from_blob(const_cast<float*>(m.data() + off), p.sizes(), torch::kFloat32).clone());
+      st.emplace_back(name + ".exp_avg_sq", torch::from_blob(const_cast<float*>(v.data() + off), p.sizes(), torch::kFloat32).clone());
+      off += n;
+    }
+    if (step < 0) throw WireError(WireErrc::kMalformed, "adam_step is negative");
+    st.emplace_back("step", torch::full({}, step, torch::kLong));
+    optim_->load_state(st);
   }
 
   const StageOptions& opt_;
   SharedStats& stats_;
+  StageFaults& faults_;
+  StageFaults::Compute fault_;          // what the injected faults do to the request at hand
+  MsgType fault_type_ = MsgType::kHeartbeat;
+  uint64_t fault_seq_ = 0;
+  bool fault_after_done_ = true;
   JobSpec spec_;
   uint64_t job_id_ = 0;
   int stage_ = -1;
@@ -485,7 +671,9 @@ class Worker {
   std::unique_ptr<AdamW> optim_;
   std::vector<float> theta_g_, momentum_;  // the group's global weights and outer momentum (fp32, CPU)
   int64_t accum_samples_ = 0;              // samples in the gradients since the last inner step
-  int64_t round_samples_ = 0;              // samples since the last round
+  std::map<int, int64_t> frag_samples_;    // samples since each fragment last synced
+  std::map<int, std::vector<float>> sent_;  // local weights of a fragment when its delta left
+  compression::ErrorFeedback outer_ef_;     // what a lossy outer codec has not sent yet
   std::list<CacheEntry> cache_;
 };
 
@@ -522,11 +710,14 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   SharedStats stats;
   Inbox inbox;
   std::atomic<bool> worker_stop{false};
+  StageFaults faults(opt.faults, opt.fault_seed, stats.steps, stop);
   std::thread compute([&] {
-    Worker w(opt, stats);
-    Message req;
-    while (inbox.pop(&req, worker_stop)) {
-      Message rep = w.handle(req);
+    Worker w(opt, stats, faults);
+    Inbox::Work work;
+    while (inbox.pop(&work, worker_stop)) {
+      faults.wait_while_frozen();
+      Message rep = w.handle(work.msg, work.seq);
+      faults.wait_while_frozen();  // a freeze holds the reply too
       wire::send(to_io, rep);
     }
   });
@@ -540,7 +731,17 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     s->connect(opt.router);
     return s;
   };
+  std::unique_ptr<zmq::socket_t> sock = make_socket();
+  auto send_frames = [&](Frames& frames) {
+    for (size_t i = 0; i < frames.size(); ++i)
+      sock->send(frames[i], i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+  };
+  // Replies and error answers: the injected faults decide what actually leaves.
+  auto answer = [&](Message& m) {
+    for (auto& f : faults.outgoing(wire::encode(m))) send_frames(f);
+  };
   auto hello = [&](zmq::socket_t& s) {
+    if (faults.partitioned()) return;  // cut off: nothing goes out
     Message h(MsgType::kHello, 0, 0,
               json{{"role", "stage"}, {"version", wire::kVersion}, {"name", name}, {"device", opt.device},
                    {"stage", opt.stage}, {"emulate", opt.emulate}, {"profile", opt.profile},
@@ -548,7 +749,6 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     wire::send(s, h);
   };
 
-  std::unique_ptr<zmq::socket_t> sock = make_socket();
   hello(*sock);
   log_info("stage", name + " (" + routing_id + ") connecting to " + opt.router +
                         (opt.emulate > 1 ? " [emulated " + (opt.profile.empty() ? std::to_string(opt.emulate) + "x slower" : opt.profile) + "]" : ""));
@@ -559,59 +759,95 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   int heartbeat_ms = opt.heartbeat_ms;
   double silent_s = opt.liveness * opt.heartbeat_ms / 1000.0;
 
+  auto reconnect = [&](const std::string& why) {
+    // The router is gone or cut off: reconnect with doubling backoff and say HELLO again.
+    log_warn("stage", why + "; reconnecting");
+    inbox.clear();
+    sock = make_socket();
+    hello(*sock);
+    welcomed = false;
+    last_heard = Clock::now();
+    backoff_s = std::min(backoff_s * 2, 8.0);
+  };
+
+  // CHAOS from the router: a fault to add to this process's injector.
+  auto add_fault = [&](Message& m) {
+    try {
+      faults.add_live(m.body);
+    } catch (const InputError& e) {
+      stats.errors++;
+      log_error("fault", std::string("refused a CHAOS fault from the router: ") + e.what());
+      Message err = wire::error_reply(&m, WireErrc::kMalformed, e.what());
+      answer(err);
+    }
+  };
+
+  auto handle_incoming = [&](StageFaults::Delivery& d) {
+    Message m;
+    try {
+      m = wire::decode(d.frames);
+    } catch (const WireError& e) {
+      stats.errors++;
+      log_warn("stage", std::string("dropped a bad message from the router: ") + e.what());
+      Message err = wire::error_reply(nullptr, e.code(), e.what());
+      // The request's id when its envelope survived: the router re-sends it at once.
+      if (auto id = wire::peek_id(d.frames)) err.id = *id;
+      answer(err);
+      return;
+    }
+    switch (m.type) {
+      case MsgType::kWelcome:
+        // The router's liveness rule is the one that counts: heartbeat at its pace.
+        heartbeat_ms = std::max(10, m.body.value("heartbeat_ms", heartbeat_ms));
+        silent_s = std::max(1, m.body.value("liveness", opt.liveness)) * heartbeat_ms / 1000.0;
+        welcomed = true;
+        backoff_s = 0.5;
+        log_info("stage", "registered with the router as " + m.body.value("peer_id", routing_id));
+        break;
+      case MsgType::kHeartbeat: break;
+      case MsgType::kError:
+        log_warn("stage", "router says: " + m.body.value("message", std::string("?")));
+        if (m.body.value("code", 0) == int(WireErrc::kOutOfOrder) && m.body.value("request_type", 0) == int(MsgType::kHeartbeat)) {
+          hello(*sock);  // the router does not know us (it restarted): introduce ourselves again
+        }
+        break;
+      case MsgType::kBye:
+        log_info("stage", "router said goodbye: " + m.body.value("reason", std::string("")));
+        stop = true;
+        break;
+      case MsgType::kChaos: add_fault(m); break;
+      default:
+        inbox.push(std::move(m), d.seq);
+    }
+  };
+
   while (!stop) {
+    if (faults.wait_while_frozen()) log_warn("fault", "freeze over: carrying on as before");
     zmq::pollitem_t items[] = {{sock->handle(), 0, ZMQ_POLLIN, 0}, {from_worker.handle(), 0, ZMQ_POLLIN, 0}};
     try {
-      zmq::poll(items, 2, std::chrono::milliseconds(std::max(10, heartbeat_ms / 4)));
+      zmq::poll(items, 2, std::chrono::milliseconds(faults.poll_ms(std::max(10, heartbeat_ms / 4))));
     } catch (const zmq::error_t& e) {
       if (e.num() == EINTR) continue;  // SIGTERM: the loop condition decides
       throw;
     }
     if (items[1].revents & ZMQ_POLLIN) {
-      // Replies from the compute thread: forward frame by frame, untouched.
+      // Replies from the compute thread: forwarded frame by frame, untouched unless a fault fires.
       while (auto r = wire::recv_frames(from_worker, false, zmq::recv_flags::dontwait)) {
-        for (size_t i = 0; i < r->frames.size(); ++i)
-          sock->send(r->frames[i], i + 1 < r->frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+        for (auto& f : faults.outgoing(std::move(r->frames))) send_frames(f);
       }
     }
     if (items[0].revents & ZMQ_POLLIN) {
-      while (auto r = wire::recv_frames(*sock, false, zmq::recv_flags::dontwait)) {
-        last_heard = Clock::now();
-        Message m;
-        try {
-          m = wire::decode(r->frames);
-        } catch (const WireError& e) {
-          stats.errors++;
-          log_warn("stage", std::string("dropped a bad message from the router: ") + e.what());
-          Message err = wire::error_reply(nullptr, e.code(), e.what());
-          wire::send(*sock, err);
-          continue;
-        }
-        switch (m.type) {
-          case MsgType::kWelcome:
-            // The router's liveness rule is the one that counts: heartbeat at its pace.
-            heartbeat_ms = std::max(10, m.body.value("heartbeat_ms", heartbeat_ms));
-            silent_s = std::max(1, m.body.value("liveness", opt.liveness)) * heartbeat_ms / 1000.0;
-            welcomed = true;
-            backoff_s = 0.5;
-            log_info("stage", "registered with the router as " + m.body.value("peer_id", routing_id));
-            break;
-          case MsgType::kHeartbeat: break;
-          case MsgType::kError:
-            log_warn("stage", "router says: " + m.body.value("message", std::string("?")));
-            if (m.body.value("code", 0) == int(WireErrc::kOutOfOrder) && m.body.value("request_type", 0) == int(MsgType::kHeartbeat)) {
-              hello(*sock);  // the router does not know us (it restarted): introduce ourselves again
-            }
-            break;
-          case MsgType::kBye:
-            log_info("stage", "router said goodbye: " + m.body.value("reason", std::string("")));
-            stop = true;
-            break;
-          default:
-            inbox.push(std::move(m));
-        }
+      std::vector<StageFaults::Delivery> deliveries;
+      while (!faults.frozen()) {
+        auto r = wire::recv_frames(*sock, false, zmq::recv_flags::dontwait);
+        if (!r) break;
+        if (faults.incoming(std::move(r->frames), deliveries)) last_heard = Clock::now();
+        for (auto& d : deliveries) handle_incoming(d);
+        deliveries.clear();
       }
     }
+    for (auto& d : faults.due_incoming()) handle_incoming(d);
+    for (auto& f : faults.due_outgoing()) send_frames(f);
     const auto now = Clock::now();
     if (std::chrono::duration<double, std::milli>(now - last_beat).count() >= heartbeat_ms) {
       last_beat = now;
@@ -621,21 +857,20 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
                       {"forwards", stats.forwards.load()}, {"backwards", stats.backwards.load()},
                       {"cache_hits", stats.cache_hits.load()}, {"recomputes", stats.recomputes.load()},
                       {"steps", stats.steps.load()}, {"errors", stats.errors.load()}});
-      wire::send(*sock, hb);
+      for (auto& f : faults.heartbeat(wire::encode(hb))) send_frames(f);
     }
-    if (std::chrono::duration<double>(now - last_heard).count() > silent_s + (welcomed ? 0 : backoff_s)) {
-      // The router is gone or cut off: reconnect with doubling backoff and say HELLO again.
-      log_warn("stage", std::string("router silent for ") + std::to_string(silent_s) + " s; reconnecting");
-      inbox.clear();
-      sock = make_socket();
-      hello(*sock);
-      welcomed = false;
-      last_heard = Clock::now();
-      backoff_s = std::min(backoff_s * 2, 8.0);
+    const double silence_s = std::chrono::duration<double>(now - last_heard).count();
+    if (const auto cut_s = faults.partition_healed()) {
+      // The router has declared us dead if the partition outlasted its window: rejoin at once.
+      if (*cut_s > silent_s) reconnect("the partition outlasted the router's " + std::to_string(silent_s) + " s window");
+    } else if (!faults.partitioned() && silence_s > silent_s + (welcomed ? 0 : backoff_s)) {
+      reconnect(std::string("router silent for ") + std::to_string(silent_s) + " s");
     }
   }
-  Message bye(MsgType::kBye, 0, 0, json{{"reason", "shutting down"}});
-  wire::send(*sock, bye);
+  if (!faults.partitioned()) {
+    Message bye(MsgType::kBye, 0, 0, json{{"reason", "shutting down"}});
+    wire::send(*sock, bye);
+  }
   worker_stop = true;
   compute.join();
   return 0;

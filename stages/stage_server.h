@@ -4,11 +4,15 @@
 // (DEALER), says HELLO, heartbeats from an I/O thread, and answers LOAD_STAGE, FORWARD,
 // FORWARD_LOSS, BACKWARD, EVAL, STEP and the within-stage round messages from a compute
 // thread. It reconnects with doubling backoff when the router goes silent. Protocol:
-// docs/protocol.md.
+// docs/protocol.md. Faults can be injected into it (`faults`, or CHAOS from the router):
+// docs/faults.md, "Injecting faults".
 #pragma once
 
 #include <atomic>
 #include <string>
+#include <vector>
+
+#include "runtime/fault.h"
 
 namespace swarm {
 
@@ -25,6 +29,8 @@ struct StageOptions {
   int liveness = 3;            // router silent for liveness * heartbeat_ms -> reconnect
   size_t cache_entries = 64;   // affinity cache: forward graphs kept for a later BACKWARD
   double cache_ttl_s = 120;
+  std::vector<FaultSpec> faults;  // injected faults, armed at start (none: the injector is inert)
+  uint64_t fault_seed = 1;        // every fault's random draws derive from it
 };
 
 // Runs until `stop` becomes true (SIGTERM/SIGINT in swarm-stage). Returns the exit code.

@@ -137,10 +137,11 @@ double train_tokens_per_s(const json& st) {
   return tps;
 }
 
-json run_swarm(const JobSpec& spec, int threads, const char* what) {
+json run_swarm(const JobSpec& spec, int threads, const char* what, int peers_per_stage = 1) {
   LocalSwarm swarm(temp_dir(what));
   swarm.start_router();
-  for (int s = 0; s < spec.partition.stages; ++s) swarm.start_stage(s, "stage" + std::to_string(s), threads);
+  for (int s = 0; s < spec.partition.stages; ++s)
+    for (int i = 0; i < peers_per_stage; ++i) swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads);
   Client c(swarm.router_endpoint());
   json rep = c.request_body(wire::MsgType::kSubmit, json{{"spec", to_json(spec)}});
   FollowOptions fo;
@@ -217,6 +218,51 @@ int bench_compression(bool as_json) {
   return 0;
 }
 
+// The bundled example with 2 peers per stage, same samples and seed, under four ways for a
+// stage group to agree: averaging gradients every step (the data-parallel reference), DiLoCo
+// rounds every 10 and every 50 steps, and streaming DiLoCo (H = 50, 4 fragments, one synced
+// every 12-13 steps and overlapped with the next inner step, int8 outer gradients with error
+// feedback). Figures: validation loss and sync bytes (outer gradients up and means down) per
+// training sample.
+int bench_diloco(bool as_json) {
+  struct Case { const char* name; const char* sync; int H; int F; int overlap; const char* codec; };
+  const Case cases[] = {{"every_step", "every_step", 10, 1, 0, "fp32"},
+                        {"diloco_h10", "rounds", 10, 1, 0, "fp32"},
+                        {"diloco_h50", "rounds", 50, 1, 0, "fp32"},
+                        {"streaming_h50_f4_int8", "rounds", 50, 4, 1, "int8:block=1024,scale=fp16"}};
+  json raw = json::object();
+  for (const Case& cs : cases) {
+    json j = example_job();
+    j["schedule"] = "sync";
+    j["diloco"]["sync"] = cs.sync;
+    j["diloco"]["inner_steps"] = cs.H;
+    j["diloco"]["streaming"] = {{"fragments", cs.F}, {"overlap_steps", cs.overlap}};
+    j["compression"]["outer"] = cs.codec;
+    JobSpec spec = parse_job_spec(j, true);
+    json st = run_swarm(spec, 1, cs.name, 2);
+    const double per = st.value("sync_bytes_per_sample", 0.0);
+    raw[cs.name] = {{"val_loss", st["val_loss"]}, {"train_loss", st["train_loss"]}, {"sync_bytes_per_sample", per},
+                    {"rounds", st["rounds"]}, {"fragment_syncs", st["fragment_syncs"]}, {"hash_mismatches", st["hash_mismatches"]},
+                    {"tokens_per_s", train_tokens_per_s(st)}, {"outer_codec", cs.codec}};
+    char text[256];
+    std::snprintf(text, sizeof(text), "%-22s val loss %.4f, %.0f sync bytes per sample", cs.name, st["val_loss"].get<double>(), per);
+    json line{{"bench", "diloco"}, {"case", cs.name}};
+    line.update(raw[cs.name]);
+    emit(as_json, line, text);
+  }
+  auto val = [&](const char* c) { return raw[c]["val_loss"].get<double>(); };
+  auto bytes = [&](const char* c) { return raw[c]["sync_bytes_per_sample"].get<double>(); };
+  json summary{{"bench", "diloco"},
+               {"figures", {{"h50_bytes_ratio", {{"value", bytes("every_step") / bytes("diloco_h50")}, {"target", ">= 40"}}},
+                            {"h50_loss_rel", {{"value", val("diloco_h50") / val("every_step") - 1.0}, {"target", "<= 0.02"}}},
+                            {"h10_loss_rel", {{"value", val("diloco_h10") / val("every_step") - 1.0}, {"target", "report"}}},
+                            {"streaming_bytes_ratio_vs_h50", {{"value", bytes("diloco_h50") / bytes("streaming_h50_f4_int8")}, {"target", ">= 4"}}},
+                            {"streaming_loss_rel", {{"value", val("streaming_h50_f4_int8") / val("every_step") - 1.0}, {"target", "<= 0.03"}}}}},
+               {"raw", raw}};
+  std::cout << (as_json ? summary.dump() : summary.dump(2)) << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int run_bench(const std::string& name, bool as_json) {
@@ -228,7 +274,8 @@ int run_bench(const std::string& name, bool as_json) {
   if (name == "transport") return bench_transport(as_json);
   if (name == "pipeline") return bench_pipeline(as_json);
   if (name == "compression") return bench_compression(as_json);
-  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline" << std::endl;
+  if (name == "diloco") return bench_diloco(as_json);
+  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco" << std::endl;
   return 2;
 }
 

@@ -37,6 +37,10 @@ LocalSwarm::~LocalSwarm() { stop_all(); }
 pid_t LocalSwarm::spawn(const std::vector<std::string>& argv, const std::string& log_name) {
   const std::string log = log_dir_ + "/" + log_name;
   const pid_t parent = getpid();
+  // Built before fork: the child of a multi-threaded parent (the chaos runner) should not allocate.
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
   pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
@@ -49,9 +53,6 @@ pid_t LocalSwarm::spawn(const std::vector<std::string>& argv, const std::string&
       dup2(fd, 2);
       close(fd);
     }
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
     execv(args[0], args.data());
     std::fprintf(stderr, "cannot run %s\n", args[0]);
     _exit(127);
@@ -78,7 +79,27 @@ void LocalSwarm::start_router(const std::vector<std::string>& extra_args) {
   throw std::runtime_error("swarm-router did not start listening within 10 s; see " + log_dir_ + "/router.log");
 }
 
+// The router again, on the same endpoint (peers reconnect to it on their own) and with the
+// same arguments (a --state-dir among them lets it continue its jobs).
+void LocalSwarm::restart_router() {
+  if (router_pid_ > 0) kill_router(SIGKILL);
+  std::vector<std::string> args = router_args_;
+  for (auto& a : args)
+    if (a == "tcp://127.0.0.1:*") a = endpoint_;
+  const std::string ready = log_dir_ + "/router.addr";
+  unlink(ready.c_str());
+  router_pid_ = spawn(args, "router." + std::to_string(++router_restarts_) + ".log");
+  for (int i = 0; i < 200; ++i) {
+    std::ifstream f(ready);
+    std::string ep;
+    if (f && std::getline(f, ep) && !ep.empty()) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  throw std::runtime_error("swarm-router did not listen again on " + endpoint_ + " within 10 s");
+}
+
 size_t LocalSwarm::start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args) {
+  std::lock_guard<std::recursive_mutex> l(mu_);
   StageProc p;
   p.stage = stage;
   p.name = name;
@@ -90,11 +111,14 @@ size_t LocalSwarm::start_stage(int stage, const std::string& name, int threads, 
 }
 
 void LocalSwarm::restart_stage(size_t i) {
+  std::lock_guard<std::recursive_mutex> l(mu_);
   StageProc& p = stages_.at(i);
   if (p.pid > 0) {
+    kill(p.pid, SIGCONT);
     kill(p.pid, SIGKILL);
     waitpid(p.pid, nullptr, 0);
   }
+  p.stopped = false;
   std::vector<std::string> argv = {bin_dir_ + "/swarm-stage", "--router", endpoint_, "--name", p.name,
                                    "--threads", std::to_string(p.threads)};
   if (p.stage >= 0) {
@@ -102,16 +126,23 @@ void LocalSwarm::restart_stage(size_t i) {
     argv.push_back(std::to_string(p.stage));
   }
   argv.insert(argv.end(), p.extra_args.begin(), p.extra_args.end());
+  const std::vector<std::string> faults = stage_faults_.stage_args(p.name);
+  argv.insert(argv.end(), faults.begin(), faults.end());
   p.pid = spawn(argv, p.name + ".log");
 }
 
 void LocalSwarm::kill_stage(size_t i, int sig) {
+  std::lock_guard<std::recursive_mutex> l(mu_);
   StageProc& p = stages_.at(i);
   if (p.pid <= 0) return;
+  if (sig == SIGKILL || sig == SIGTERM) kill(p.pid, SIGCONT);  // never leave a stopped process behind
   kill(p.pid, sig);
+  if (sig == SIGSTOP) p.stopped = true;
+  if (sig == SIGCONT) p.stopped = false;
   if (sig == SIGKILL || sig == SIGTERM) {
     waitpid(p.pid, nullptr, 0);
     p.pid = -1;
+    p.stopped = false;
   }
 }
 
@@ -123,6 +154,8 @@ void LocalSwarm::kill_router(int sig) {
 }
 
 void LocalSwarm::stop_all() {
+  stop_chaos();
+  std::lock_guard<std::recursive_mutex> l(mu_);
   std::vector<pid_t> pids;
   for (auto& s : stages_)
     if (s.pid > 0) pids.push_back(s.pid);
@@ -142,7 +175,10 @@ void LocalSwarm::stop_all() {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
-  for (auto& s : stages_) s.pid = -1;
+  for (auto& s : stages_) {
+    s.pid = -1;
+    s.stopped = false;
+  }
   router_pid_ = -1;
 }
 

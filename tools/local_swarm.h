@@ -2,17 +2,24 @@
 //
 // Defines swarm::LocalSwarm (starts swarm-router and swarm-stage processes from the same
 // build directory as the running binary, logs each to a file, and stops every one of them,
-// SIGTERM then SIGKILL, when destroyed; children also die with their parent) and
+// SIGTERM then SIGKILL, when destroyed; children also die with their parent; runs a chaos
+// plan against them on a background thread, recording each action in ChaosRecord) and
 // `follow_job` (polls a job's status, prints progress, returns the final status).
 #pragma once
 
 #include <sys/types.h>
 
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/chaos_plan.h"
 #include "runtime/client.h"
 
 namespace swarm {
@@ -23,7 +30,21 @@ struct StageProc {
   std::string name;
   int threads = 1;
   std::vector<std::string> extra_args;
+  bool stopped = false;  // SIGSTOPped (by kill_stage or the chaos runner) and not resumed yet
 };
+
+// One thing the chaos runner did (or skipped), for logs and benchmarks.
+struct ChaosRecord {
+  double t_s = 0;                            // seconds after run_chaos started
+  std::chrono::steady_clock::time_point at;  // when, on the steady clock
+  std::string action;                        // "kill", "stop", "cont", "restart"
+  std::string peer;                          // the peer's name ("" when skipped with no candidate)
+  size_t index = 0;                          // the peer's index in stages()
+  pid_t pid = -1;                            // the process signalled; for restart, the new one
+  std::string note;                          // "event 0 #3", "resume after stop", "skipped: ..."
+};
+// {"event":"chaos","t_s":…,"action":…,"peer":…,"pid":…,"note":…}, for `--json` progress.
+nlohmann::json to_json(const ChaosRecord& r);
 
 class LocalSwarm {
  public:
@@ -41,7 +62,18 @@ class LocalSwarm {
   void kill_stage(size_t i, int sig);      // SIGKILL, SIGSTOP, SIGCONT, SIGTERM
   void restart_stage(size_t i);            // start again with the same arguments
   void kill_router(int sig);
-  void stop_all();
+  void restart_router();                   // same endpoint, same arguments
+  void stop_all();                         // stops the chaos runner first
+
+  // Chaos (runtime/chaos_plan.h). Stage servers started after set_stage_faults whose name has
+  // faults in the plan get its --fault/--fault-seed arguments (restarts too).
+  void set_stage_faults(const ChaosPlan& plan);
+  // Runs the plan's events on a background thread; time 0 is now. Throws InputError when the
+  // plan names a peer that is not in stages(). `on_event`, if given, is called from that thread
+  // after each action. A SIGSTOPped peer always gets SIGCONT before a SIGKILL.
+  void run_chaos(const ChaosPlan& plan, std::function<void(const ChaosRecord&)> on_event = {});
+  void stop_chaos();                       // stops and joins the runner; peers stay as they are
+  std::vector<ChaosRecord> chaos_log() const;
 
   const std::string& router_endpoint() const { return endpoint_; }
   const std::string& log_dir() const { return log_dir_; }
@@ -51,8 +83,23 @@ class LocalSwarm {
   pid_t spawn(const std::vector<std::string>& argv, const std::string& log_name);
   std::string bin_dir_, log_dir_, endpoint_;
   pid_t router_pid_ = -1;
+  int router_restarts_ = 0;
   std::vector<std::string> router_args_;
   std::vector<StageProc> stages_;
+  std::recursive_mutex mu_;                // stages_' processes: the chaos thread changes them too
+  ChaosPlan stage_faults_;                 // per-peer --fault arguments (set_stage_faults)
+  // The chaos runner (tools/local_chaos.cpp).
+  void chaos_loop(ChaosPlan plan, std::function<void(const ChaosRecord&)> on_event);
+  bool running_locked(size_t i);           // alive and not stopped; reaps a peer that exited
+  // Firing k of event `event`: picks the peer and acts; fills rec's peer, index, pid, note.
+  void chaos_fire(const ChaosPlan& plan, size_t event, uint64_t k, ChaosRecord& rec);
+  // The SIGCONT of a timed stop (resume) or the restart of a kill, if the peer is as it was left.
+  void chaos_follow_up(bool resume, size_t peer, pid_t pid, ChaosRecord& rec);
+  std::thread chaos_;
+  mutable std::mutex chaos_mu_;            // guards chaos_stop_ and chaos_log_
+  std::condition_variable chaos_cv_;
+  bool chaos_stop_ = false;
+  std::vector<ChaosRecord> chaos_log_;
 };
 
 // The directory holding the running executable (where swarm-router and swarm-stage live).

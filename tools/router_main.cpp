@@ -18,6 +18,11 @@ int main(int argc, char** argv) {
   app.add_option("--heartbeat-ms", opt.heartbeat_ms, "peer heartbeat interval")->capture_default_str()->check(CLI::Range(10, 60000));
   app.add_option("--liveness", opt.liveness, "heartbeats missed before a peer is declared dead")->capture_default_str()->check(CLI::Range(1, 100));
   app.add_option("--ready-file", opt.ready_file, "write the bound endpoint to this file once listening");
+  app.add_option("--state-dir", opt.state_dir,
+                 "keep jobs and their checkpoints here; a restarted router continues unfinished jobs from it");
+  app.add_option("--quarantine-after", opt.quarantine_after,
+                 "integrity failures (corrupt, misshapen or non-finite outputs) before a peer is quarantined")
+      ->capture_default_str()->check(CLI::Range(1, 1000000));
   CLI11_PARSE(app, argc, argv);
   std::signal(SIGTERM, on_signal);
   std::signal(SIGINT, on_signal);

@@ -4,12 +4,33 @@
 
 #include <CLI/CLI.hpp>
 
+#include "runtime/errors.h"
+#include "runtime/fault.h"
 #include "runtime/log.h"
 #include "stages/stage_server.h"
 
 namespace {
 std::atomic<bool> g_stop{false};
 void on_signal(int) { g_stop = true; }
+
+// --fault-plan's faults first, then each --fault; the seed: --fault-seed, else the plan's, else 1.
+// Returns false (after saying what is wrong) on a bad spec or plan.
+bool collect_faults(const std::string& plan_path, const std::vector<std::string>& specs, CLI::Option* seed_opt,
+                    uint64_t seed, swarm::StageOptions& opt) {
+  try {
+    if (!plan_path.empty()) {
+      swarm::FaultPlan plan = swarm::load_fault_plan(plan_path);
+      opt.faults = plan.faults;
+      opt.fault_seed = plan.seed;
+    }
+    for (const auto& s : specs) opt.faults.push_back(swarm::parse_fault(s));
+  } catch (const swarm::InputError& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return false;
+  }
+  if (seed_opt->count()) opt.fault_seed = seed;
+  return true;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -25,7 +46,16 @@ int main(int argc, char** argv) {
   app.add_option("--name", opt.name, "name shown by `swarm peers` (default host:pid)");
   app.add_flag("--echo", opt.echo, "answer FORWARD with its input untouched (transport benchmark)");
   app.add_option("--heartbeat-ms", opt.heartbeat_ms, "heartbeat interval")->capture_default_str();
+  std::vector<std::string> fault_specs;
+  std::string fault_plan;
+  uint64_t fault_seed = 1;
+  app.add_option("--fault", fault_specs,
+                 "inject a fault, ACTION[,key=value...], e.g. crash,after=20 or slow,factor=10 (repeatable; docs/faults.md)")
+      ->allow_extra_args(false);
+  app.add_option("--fault-plan", fault_plan, "inject the faults of a plan file {\"seed\": N, \"faults\": [...]}");
+  CLI::Option* seed_opt = app.add_option("--fault-seed", fault_seed, "seed of the faults' random draws (default: the plan's, else 1)");
   CLI11_PARSE(app, argc, argv);
+  if (!collect_faults(fault_plan, fault_specs, seed_opt, fault_seed, opt)) return 2;
   if (!emulate.empty()) {
     // Rough relative speeds of these devices on small-transformer training, slowest last.
     static const std::map<std::string, double> profiles = {{"a100", 1.0}, {"v100", 2.0}, {"t4", 4.0}, {"cpu-slow", 8.0}};

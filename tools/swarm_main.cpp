@@ -1,12 +1,15 @@
-// swarm_main.cpp: `swarm`, the user's CLI: local, submit, status, peers, cancel, bench, reference.
+// swarm_main.cpp: `swarm`, the user's CLI: local, submit, status, peers, cancel, bench, reference,
+// export.
 //
 // Every subcommand that talks to a router goes through swarm::Client (runtime/client.h), so
 // a dead router address is a clear message, not a hang. `swarm local` starts a whole swarm on
 // this machine (tools/local_swarm.h) and follows the job to its end.
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -14,8 +17,11 @@
 
 #include "runtime/client.h"
 #include "runtime/data.h"
+#include "runtime/chaos_plan.h"
+#include "runtime/fault.h"
 #include "runtime/job_spec.h"
 #include "compression/codec.h"
+#include "stages/export.h"
 #include "stages/reference.h"
 #include "tools/bench.h"
 #include "tools/local_swarm.h"
@@ -49,8 +55,10 @@ JobSpec load_spec(const std::string& path) {
   return spec;
 }
 
-uint64_t submit(Client& c, const JobSpec& spec) {
-  json rep = c.request_body(wire::MsgType::kSubmit, json{{"spec", to_json(spec)}});
+uint64_t submit(Client& c, const JobSpec& spec, const std::string& resume = "") {
+  json body{{"spec", to_json(spec)}};
+  if (!resume.empty()) body["resume"] = std::filesystem::absolute(resume).string();
+  json rep = c.request_body(wire::MsgType::kSubmit, body);
   return rep.at("job_id").get<uint64_t>();
 }
 
@@ -80,7 +88,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   // swarm local
-  std::string job_path, router, log_dir;
+  std::string job_path, router, log_dir, resume, chaos_path, peer_id, fault_text;
   int peers_per_stage = 2, threads = 0;
   bool as_json = false, follow = false;
   auto* local = app.add_subcommand("local", "run a whole swarm on this machine: a router and stage servers on loopback");
@@ -88,11 +96,18 @@ int main(int argc, char** argv) {
   local->add_option("--peers-per-stage", peers_per_stage, "stage servers per stage")->capture_default_str()->check(CLI::Range(1, 64));
   local->add_option("--threads", threads, "compute threads per stage server (0: cores / servers)");
   local->add_option("--log-dir", log_dir, "where the processes' logs go (default: a new folder under /tmp)");
+  local->add_option("--chaos", chaos_path, "kill, stop and restart peers on a seeded schedule (docs/faults.md, examples/chaos/)");
   local->add_flag("--json", as_json, "one JSON object per line");
+
+  auto* chaos = app.add_subcommand("chaos", "inject a fault into a live peer (docs/faults.md)");
+  chaos->add_option("--router", router, "router endpoint")->required();
+  chaos->add_option("--peer", peer_id, "the peer's id or name (see `swarm peers`)")->required();
+  chaos->add_option("--fault", fault_text, "fault spec, e.g. slow,factor=10 or crash,after=20")->required();
 
   auto* sub = app.add_subcommand("submit", "submit a job to a running router");
   sub->add_option("job", job_path, "job spec (JSON)")->required();
   sub->add_option("--router", router, "router endpoint, tcp://HOST:PORT")->required();
+  sub->add_option("--resume", resume, "continue from the newest valid checkpoint in this directory (or this step-N directory)");
   sub->add_flag("--follow", follow, "follow the job to its end");
   sub->add_flag("--json", as_json, "one JSON object per line");
 
@@ -120,6 +135,12 @@ int main(int argc, char** argv) {
   ref->add_option("--threads", threads, "compute threads (0: libtorch's default)");
   ref->add_flag("--json", as_json, "JSON lines");
 
+  std::string ckpt_path, export_out;
+  auto* exp = app.add_subcommand("export", "write a checkpoint's global weights as a PyTorch state dict (docs/checkpoints.md)");
+  exp->add_option("checkpoint", ckpt_path, "a checkpoint dir (its newest valid step) or a step-* dir")->required();
+  exp->add_option("--out", export_out, "the state dict to write (.pt); the model config goes beside it as .json")->required();
+  exp->add_flag("--json", as_json, "print JSON");
+
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -132,6 +153,15 @@ int main(int argc, char** argv) {
         log_dir = mkdtemp(tmpl) ? tmpl : "/tmp";
       }
       LocalSwarm swarm(log_dir);
+      std::optional<ChaosPlan> plan;
+      if (!chaos_path.empty()) {
+        try {
+          plan = load_chaos_plan(chaos_path);
+        } catch (const InputError& e) {
+          throw SpecError(std::string("--chaos: ") + e.what());
+        }
+        swarm.set_stage_faults(*plan);
+      }
       swarm.start_router();
       for (int s = 0; s < spec.partition.stages; ++s)
         for (int i = 0; i < peers_per_stage; ++i)
@@ -141,6 +171,12 @@ int main(int argc, char** argv) {
                   << spec.partition.stages << " stages x " << peers_per_stage << "), logs in " << log_dir << std::endl;
       Client c(swarm.router_endpoint());
       const uint64_t id = submit(c, spec);
+      if (plan) {
+        swarm.run_chaos(*plan, [&](const ChaosRecord& r) {
+          if (as_json) std::cout << to_json(r).dump() << std::endl;
+          else std::cout << "chaos: " << r.action << " " << r.peer << (r.note.empty() ? "" : " (" + r.note + ")") << std::endl;
+        });
+      }
       FollowOptions fo;
       fo.json = as_json;
       json st = follow_job(c, id, fo);
@@ -150,7 +186,7 @@ int main(int argc, char** argv) {
     if (*sub) {
       JobSpec spec = load_spec(job_path);
       Client c(router);
-      const uint64_t id = submit(c, spec);
+      const uint64_t id = submit(c, spec, resume);
       if (!follow) {
         std::cout << (as_json ? json{{"event", "submitted"}, {"job_id", id}}.dump() : "submitted job " + std::to_string(id)) << std::endl;
         return 0;
@@ -188,6 +224,17 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
+    if (*chaos) {
+      try {
+        parse_fault(fault_text);
+      } catch (const InputError& e) {
+        throw SpecError(std::string("--fault: ") + e.what());
+      }
+      Client c(router);
+      json rep = c.request_body(wire::MsgType::kChaos, json{{"peer", peer_id}, {"fault", fault_text}});
+      std::cout << "fault " << rep.value("fault", fault_text) << " sent to peer " << rep.value("name", peer_id) << " (" << rep.value("peer", std::string()) << ")" << std::endl;
+      return 0;
+    }
     if (*cancel) {
       Client c(router);
       json st = c.request_body(wire::MsgType::kCancel, json{{"job_id", job_id}});
@@ -196,6 +243,24 @@ int main(int argc, char** argv) {
     }
     if (*bench) {
       return run_bench(bench_name, as_json);
+    }
+    if (*exp) {
+      try {
+        const ExportSummary r = export_checkpoint(ckpt_path, export_out);
+        if (as_json) {
+          std::cout << json{{"event", "exported"}, {"checkpoint", r.checkpoint}, {"step", r.step}, {"state_dict", r.pt_path},
+                            {"config", r.config_path}, {"tensors", r.tensors}, {"parameters", r.parameters}}.dump()
+                    << std::endl;
+        } else {
+          std::cout << "exported " << r.checkpoint << " (step " << r.step << ")\n  " << r.pt_path << ": " << r.tensors
+                    << " tensors, " << r.parameters << " parameters (float32 state dict, torch.load)\n  " << r.config_path
+                    << ": model config" << std::endl;
+        }
+        return 0;
+      } catch (const InputError& e) {   // a missing, damaged or mismatched checkpoint: bad input
+        std::cerr << "swarm export: " << e.what() << std::endl;
+        return 2;
+      }
     }
     if (*ref) {
       JobSpec spec = load_spec(job_path);

@@ -1,0 +1,451 @@
+// placement.cpp: the throughput model, place_peer, plan_rebalance, ideal_min_throughput and the
+// static pipelines (see placement.h and docs/heterogeneous.md).
+#include "router/placement.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "runtime/errors.h"
+
+namespace swarm {
+namespace {
+
+constexpr double kRelTol = 1e-9;  // throughputs this close (relative) are equal
+
+bool close(double a, double b) {
+  return std::fabs(a - b) <= kRelTol * std::max({1.0, std::fabs(a), std::fabs(b)});
+}
+
+// -1, 0, 1: a is lexicographically smaller, equal, larger, comparing sorted copies.
+int compare_sorted(std::vector<double> a, std::vector<double> b) {
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    if (!close(a[i], b[i])) return a[i] < b[i] ? -1 : 1;
+  return 0;
+}
+
+std::string num(double v) {
+  if (!std::isfinite(v)) return v > 0 ? "inf" : "-inf";
+  char buf[48];
+  const double a = std::fabs(v);
+  std::snprintf(buf, sizeof buf, a >= 100 ? "%.0f" : a >= 10 ? "%.1f" : "%.2f", v);
+  return buf;
+}
+
+std::string pct(double gain) {
+  if (!std::isfinite(gain)) return "+inf%";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%+.0f%%", gain * 100);
+  return buf;
+}
+
+const std::string kUnit = " samples/s";
+
+void validate(const Registry& reg) {
+  SWARM_CHECK(reg.stages >= 0, "negative stage count");
+  SWARM_CHECK(reg.stage_cost.empty() || int(reg.stage_cost.size()) == reg.stages,
+              "stage_cost has " + std::to_string(reg.stage_cost.size()) + " entries for " + std::to_string(reg.stages) + " stages");
+  for (double c : reg.stage_cost) SWARM_CHECK(std::isfinite(c) && c > 0, "stage cost must be positive");
+  for (const auto& p : reg.peers)
+    SWARM_CHECK(p.stage >= 0 && p.stage < reg.stages, "peer " + p.id + " on stage " + std::to_string(p.stage));
+}
+
+double cost(const Registry& reg, int s) { return reg.stage_cost.empty() ? 1.0 : reg.stage_cost[size_t(s)]; }
+
+// The median measured speed, 1 when nothing is measured: what an unmeasured peer counts as.
+double median_speed(const Registry& reg) {
+  std::vector<double> v;
+  for (const auto& p : reg.peers)
+    if (p.speed > 0 && std::isfinite(p.speed)) v.push_back(p.speed);
+  if (v.empty()) return 1.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::vector<double> effective_speeds(const Registry& reg) {
+  const double med = median_speed(reg);
+  std::vector<double> out;
+  out.reserve(reg.peers.size());
+  for (const auto& p : reg.peers) out.push_back(p.speed > 0 && std::isfinite(p.speed) ? p.speed : med);
+  return out;
+}
+
+std::vector<double> throughputs(const Registry& reg, const std::vector<double>& eff) {
+  std::vector<double> t(size_t(reg.stages), 0.0);
+  for (size_t i = 0; i < reg.peers.size(); ++i) t[size_t(reg.peers[i].stage)] += eff[i] / cost(reg, reg.peers[i].stage);
+  return t;
+}
+
+double min_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::min_element(v.begin(), v.end()); }
+
+// One candidate move and the stage throughputs after it.
+struct Option {
+  size_t peer = 0;
+  int from = -1, to = -1;
+  std::vector<double> after;
+  bool restricted = false;  // needs reverse_gain: the peer, or this pair of stages, has not settled
+};
+
+// Why candidates were left out, for the "no move" reason.
+struct Skips {
+  int pinned = 0, unmovable = 0, unmeasured = 0, last = 0;
+};
+
+// The state a plan of moves works on.
+struct PlanState {
+  std::vector<double> t;      // [stages] throughputs
+  std::vector<int> ready;     // [stages] ready peers
+  std::vector<int> stage;     // [peers] where each peer is
+  std::vector<bool> moved;    // [peers] already moved by this plan
+};
+
+class Planner {
+ public:
+  Planner(const Registry& reg, const RebalanceParams& params, double now)
+      : reg_(reg), params_(params), now_(now), eff_(effective_speeds(reg)) {
+    start_.t = throughputs(reg, eff_);
+    start_.ready.assign(size_t(reg.stages), 0);
+    for (const auto& p : reg.peers) {
+      start_.stage.push_back(p.stage);
+      if (p.ready) start_.ready[size_t(p.stage)]++;
+    }
+    start_.moved.assign(reg.peers.size(), false);
+  }
+
+  const std::vector<double>& start() const { return start_.t; }
+
+  // The best move into stage b from `st`, or none. `urgent` (b has no peer) waives the progress
+  // test and settling; `allow_restricted` admits moves that need reverse_gain.
+  std::optional<Option> best_into(const PlanState& st, int b, bool urgent, bool allow_restricted, Skips* skips) const {
+    std::optional<Option> best;
+    for (size_t i = 0; i < reg_.peers.size(); ++i) {
+      const PeerView& p = reg_.peers[i];
+      const int s = st.stage[i];
+      if (s == b || st.moved[i]) continue;
+      if (p.pinned) { if (skips) skips->pinned++; continue; }
+      if (!p.movable) { if (skips) skips->unmovable++; continue; }
+      if (!(p.speed > 0)) { if (skips) skips->unmeasured++; continue; }
+      if (st.ready[size_t(s)] - (p.ready ? 1 : 0) < 1) { if (skips) skips->last++; continue; }  // never empties a stage
+      Option o;
+      o.peer = i;
+      o.from = s;
+      o.to = b;
+      o.after = st.t;
+      o.after[size_t(s)] -= eff_[i] / cost(reg_, s);
+      o.after[size_t(b)] += eff_[i] / cost(reg_, b);
+      // Progress: both stages the move touches end above the target's throughput now.
+      const double pair = std::min(o.after[size_t(s)], o.after[size_t(b)]);
+      if (!urgent && (pair <= st.t[size_t(b)] || close(pair, st.t[size_t(b)]))) continue;
+      o.restricted = !urgent && restricted(i, s, b);
+      if (o.restricted && !allow_restricted) continue;
+      if (!best || better(o, *best, st)) best = std::move(o);
+    }
+    return best;
+  }
+
+  // Greedy moves into the bottleneck, from the registry's state, until the minimum has risen by
+  // `gain` (success: the moves) or no move helps (empty). At most one move into each stage, so a
+  // plan has several moves only when several stages sit near the bottleneck.
+  std::vector<Option> plan(double gain, bool allow_restricted, Skips* skips, std::vector<double>* reached) const {
+    PlanState st = start_;
+    const double goal = min_of(st.t) * (1 + gain);
+    std::vector<Option> moves;
+    std::vector<bool> lifted(size_t(reg_.stages), false);
+    for (int k = 0; k < reg_.stages; ++k) {
+      const int b = int(std::min_element(st.t.begin(), st.t.end()) - st.t.begin());
+      if (lifted[size_t(b)]) break;  // one move per stage: a plan only lifts stages tied near the bottleneck
+      lifted[size_t(b)] = true;
+      auto o = best_into(st, b, false, allow_restricted, k == 0 ? skips : nullptr);
+      if (!o) break;
+      st.t = o->after;
+      st.ready[size_t(o->from)] -= reg_.peers[o->peer].ready ? 1 : 0;
+      st.ready[size_t(o->to)] += reg_.peers[o->peer].ready ? 1 : 0;
+      st.stage[o->peer] = o->to;
+      st.moved[o->peer] = true;
+      moves.push_back(std::move(*o));
+      if (reached) *reached = st.t;
+      if (min_of(st.t) >= goal && !close(min_of(st.t), min_of(start_.t))) return moves;
+    }
+    return {};
+  }
+
+  PlanState start_state() const { return start_; }
+
+ private:
+  // Peer i has not settled when it moved within settle_s, or when it would go back along the path
+  // of a recent move by a peer at most twice as fast (undoing much of that move; a slow peer
+  // going back where a fast one left only refines it).
+  bool restricted(size_t i, int from, int to) const {
+    if (now_ - reg_.peers[i].last_moved_s < params_.settle_s) return true;
+    for (size_t k = 0; k < reg_.peers.size(); ++k) {
+      const PeerView& q = reg_.peers[k];
+      if (q.last_from == to && q.stage == from && now_ - q.last_moved_s < params_.settle_s && eff_[i] >= 0.5 * eff_[k]) return true;
+    }
+    return false;
+  }
+
+  // Larger sorted throughputs after the move; then the source with the most spare; then the id.
+  bool better(const Option& a, const Option& b, const PlanState& st) const {
+    const int c = compare_sorted(a.after, b.after);
+    if (c != 0) return c > 0;
+    if (!close(st.t[size_t(a.from)], st.t[size_t(b.from)])) return st.t[size_t(a.from)] > st.t[size_t(b.from)];
+    return reg_.peers[a.peer].id < reg_.peers[b.peer].id;
+  }
+
+  const Registry& reg_;
+  const RebalanceParams& params_;
+  const double now_;
+  const std::vector<double> eff_;
+  PlanState start_;
+};
+
+// Exact best minimum by a dynamic programme over subsets: g_k(mask) is the best minimum of the
+// first k stages served by exactly the peers in mask, each stage non-empty.
+double ideal_exact(const std::vector<double>& speeds, const std::vector<double>& stage_cost) {
+  const size_t n = speeds.size(), S = stage_cost.size();
+  const uint32_t full = (uint32_t(1) << n) - 1;
+  std::vector<double> sum(size_t(full) + 1, 0.0);
+  for (uint32_t m = 1; m <= full; ++m) {
+    const int low = __builtin_ctz(m);
+    sum[m] = sum[m & (m - 1)] + speeds[size_t(low)];
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> prev(size_t(full) + 1, -inf), cur(size_t(full) + 1, -inf);
+  prev[0] = inf;  // no stage yet: the minimum of nothing
+  for (size_t k = 0; k < S; ++k) {
+    std::fill(cur.begin(), cur.end(), -inf);
+    for (uint32_t m = 1; m <= full; ++m) {
+      if (size_t(__builtin_popcount(m)) < k + 1) continue;
+      double best = -inf;
+      for (uint32_t sub = m; sub; sub = (sub - 1) & m) {
+        const double rest = prev[m ^ sub];
+        if (rest == -inf) continue;
+        best = std::max(best, std::min(rest, sum[sub] / stage_cost[k]));
+      }
+      cur[m] = best;
+    }
+    std::swap(prev, cur);
+  }
+  return prev[full] == -inf ? 0.0 : prev[full];
+}
+
+// Beyond the exact limit: greedy placement, fastest first, then zero-margin moves until none.
+double ideal_greedy(const std::vector<double>& speeds, const std::vector<double>& stage_cost) {
+  std::vector<size_t> order(speeds.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return speeds[a] > speeds[b]; });
+  Registry reg;
+  reg.stages = int(stage_cost.size());
+  reg.stage_cost = stage_cost;
+  for (size_t i : order) {
+    PeerView p;
+    p.id = std::to_string(i);
+    p.speed = speeds[i];
+    p.stage = place_peer(reg, speeds[i]);
+    reg.peers.push_back(p);
+  }
+  RebalanceParams zero;
+  zero.min_gain = kRelTol;
+  zero.reverse_gain = kRelTol;
+  zero.cooldown_s = 0;
+  zero.checks_to_move = 1;
+  // Every accepted move raises the sorted throughputs lexicographically, so this ends; the cap
+  // only bounds the time.
+  for (size_t it = 0; it < 64 * speeds.size(); ++it) {
+    const Rebalance r = plan_rebalance(reg, zero, 0.0);
+    if (!r.move) break;
+    for (auto& p : reg.peers)
+      if (p.id == r.move->peer) p.stage = r.move->to;
+  }
+  return min_of(stage_throughputs(reg));
+}
+
+}  // namespace
+
+std::vector<double> stage_throughputs(const Registry& reg) {
+  validate(reg);
+  return throughputs(reg, effective_speeds(reg));
+}
+
+int place_peer(const Registry& reg, double speed, std::string* reason) {
+  validate(reg);
+  if (reg.stages <= 0) {
+    if (reason) *reason = "no stages";
+    return -1;
+  }
+  const std::vector<double> t = throughputs(reg, effective_speeds(reg));
+  const double v = speed > 0 && std::isfinite(speed) ? speed : median_speed(reg);
+  std::vector<int> count(size_t(reg.stages), 0);
+  for (const auto& p : reg.peers) count[size_t(p.stage)]++;
+  for (int s = 0; s < reg.stages; ++s)
+    if (count[size_t(s)] == 0) {
+      if (reason) *reason = "stage " + std::to_string(s) + " has no peer";
+      return s;
+    }
+  int best = -1;
+  std::vector<double> best_after;
+  for (int s = 0; s < reg.stages; ++s) {
+    std::vector<double> after = t;
+    after[size_t(s)] += v / cost(reg, s);
+    if (best >= 0) {
+      const int c = compare_sorted(after, best_after);
+      if (c < 0 || (c == 0 && count[size_t(s)] >= count[size_t(best)])) continue;
+    }
+    best = s;
+    best_after = std::move(after);
+  }
+  if (reason) {
+    const double before = min_of(t), after = min_of(best_after);
+    const bool bottleneck = close(t[size_t(best)], before);
+    *reason = "stage " + std::to_string(best) + " (" + (bottleneck ? "bottleneck, " : "") + num(t[size_t(best)]) + kUnit + ", " +
+              std::to_string(count[size_t(best)]) + " peer(s)): stage " + std::to_string(best) + " -> " + num(best_after[size_t(best)]) +
+              ", min stage throughput " + num(before) + " -> " + num(after) + kUnit;
+  }
+  return best;
+}
+
+Rebalance plan_rebalance(const Registry& reg, const RebalanceParams& params, double now_s) {
+  validate(reg);
+  Rebalance out;
+  auto say = [&](const std::string& s) {
+    out.reason = s;
+    return out;
+  };
+  if (reg.stages < 2) return say("one stage: nothing to rebalance");
+  const Planner planner(reg, params, now_s);
+  const std::vector<double>& t = planner.start();
+  const double min_before = min_of(t);
+  auto to_move = [&](const std::vector<Option>& plan, bool empty) {
+    const Option& o = plan.front();
+    Move m;
+    m.peer = reg.peers[o.peer].id;
+    m.from = o.from;
+    m.to = o.to;
+    m.min_before = min_before;
+    m.min_after = min_of(o.after);
+    m.plan_moves = int(plan.size());
+    m.plan_min_after = min_of(plan.back().after);
+    m.target_empty = empty;
+    const std::string from = "stage " + std::to_string(o.from), to = "stage " + std::to_string(o.to);
+    m.reason = "move peer " + m.peer + " from " + from + " (spare " + num(t[size_t(o.from)] - min_before) + kUnit + ") to " + to +
+               (empty ? " (no peer: restore its state from the snapshot)" : " (bottleneck, " + num(t[size_t(o.to)]) + kUnit + ")") + ": " +
+               to + " " + num(t[size_t(o.to)]) + " -> " + num(o.after[size_t(o.to)]) + ", " + from + " " + num(t[size_t(o.from)]) + " -> " +
+               num(o.after[size_t(o.from)]) + "; min throughput " + num(m.min_before) + " -> " + num(m.min_after) + kUnit;
+    if (plan.size() > 1)
+      m.reason += " (" + std::to_string(plan.size() - 1) + " more move(s) planned, to reach " + num(m.plan_min_after) + kUnit + ")";
+    return m;
+  };
+
+  // A stage with no peer stops the job: fill it now, whatever the cooldowns, margins and checks.
+  for (int b = 0; b < reg.stages; ++b) {
+    if (t[size_t(b)] > 0) continue;  // speeds are positive: only a stage with no peer serves 0
+    Skips sk;
+    auto o = planner.best_into(planner.start_state(), b, /*urgent=*/true, true, &sk);
+    if (!o) return say("stage " + std::to_string(b) + " has no peer and no peer can move there (" + std::to_string(sk.pinned) + " pinned, " +
+                       std::to_string(sk.unmovable) + " not movable now, " + std::to_string(sk.unmeasured) + " not measured, " +
+                       std::to_string(sk.last) + " the last ready peer of their stage)");
+    out.move = to_move({*o}, true);
+    out.reason = out.move->reason;
+    return out;
+  }
+
+  double last = reg.last_move_s;
+  for (const auto& p : reg.peers) last = std::max(last, p.last_moved_s);
+  if (now_s - last < params.cooldown_s)
+    return say("cooldown: the last move was " + num(now_s - last) + " s ago (cooldown " + num(params.cooldown_s) + " s)");
+
+  Skips sk;
+  std::vector<double> reached = t, reached_r = t;
+  auto plan = planner.plan(params.min_gain, /*allow_restricted=*/false, &sk, &reached);
+  if (plan.empty()) plan = planner.plan(std::max(params.min_gain, params.reverse_gain), /*allow_restricted=*/true, nullptr, &reached_r);
+  if (!plan.empty()) {
+    Move m = to_move(plan, false);
+    // Measurements are noisy: move only when enough consecutive checks plan the same move.
+    const bool same = reg.proposal.from == m.from && reg.proposal.to == m.to;
+    const int checks = (same ? std::max(0, reg.proposal.checks) : 0) + 1;
+    if (checks >= params.checks_to_move) {
+      out.reason = m.reason;
+      out.move = std::move(m);
+      return out;
+    }
+    out.proposal = Proposal{m.from, m.to, checks};
+    return say("proposed (" + std::to_string(checks) + " of " + std::to_string(params.checks_to_move) + " checks): " + m.reason);
+  }
+  const double free_min = min_of(reached), any_min = min_of(reached_r);
+  if (any_min >= min_before * (1 + params.min_gain) && any_min > free_min)
+    return say("no move: the best plan raises the min throughput " + num(min_before) + " -> " + num(any_min) + kUnit + " (" +
+               pct(any_min / min_before - 1) + ") but moves a peer that has not settled (it moved, or a peer as fast moved the other " +
+               "way, in the last " + num(params.settle_s) + " s), which needs " + pct(params.reverse_gain).substr(1));
+  const double best = std::max(free_min, any_min);
+  if (best > min_before)
+    return say("no move: the best plan raises the min throughput only " + num(min_before) + " -> " + num(best) + kUnit + " (" +
+               pct(best / min_before - 1) + "), under the " + pct(params.min_gain).substr(1) + " margin");
+  return say("no move: no peer can lift the bottleneck (" + num(min_before) + kUnit + "; candidates left out: " + std::to_string(sk.pinned) +
+             " pinned, " + std::to_string(sk.unmovable) + " not movable now, " + std::to_string(sk.unmeasured) + " not measured, " +
+             std::to_string(sk.last) + " the last ready peer of their stage)");
+}
+
+double next_rebalance_delay_s(const RebalanceParams& params, double u) {
+  u = std::min(1.0, std::max(0.0, u));
+  const double j = std::min(1.0, std::max(0.0, params.period_jitter));
+  return std::max(0.0, params.period_s * (1.0 + j * (2.0 * u - 1.0)));
+}
+
+double ideal_min_throughput(const std::vector<double>& speeds, const std::vector<double>& stage_cost) {
+  for (double c : stage_cost) SWARM_CHECK(std::isfinite(c) && c > 0, "stage cost must be positive");
+  for (double v : speeds) SWARM_CHECK(std::isfinite(v) && v >= 0, "speed must be finite and non-negative");
+  if (stage_cost.empty() || speeds.size() < stage_cost.size()) return 0.0;
+  return speeds.size() <= kIdealExactMaxPeers ? ideal_exact(speeds, stage_cost) : ideal_greedy(speeds, stage_cost);
+}
+
+std::vector<std::vector<std::string>> static_pipelines(const std::vector<std::vector<std::string>>& stage_peers) {
+  if (stage_peers.empty()) return {};
+  size_t n = stage_peers[0].size();
+  for (const auto& s : stage_peers) n = std::min(n, s.size());
+  std::vector<std::vector<std::string>> out(n);
+  for (size_t i = 0; i < n; ++i)
+    for (const auto& s : stage_peers) out[i].push_back(s[i]);
+  return out;
+}
+
+int static_pipeline_for(uint64_t microbatch, size_t pipelines) {
+  return pipelines == 0 ? -1 : int(microbatch % pipelines);
+}
+
+double static_min_throughput(const Registry& reg) {
+  validate(reg);
+  if (reg.stages <= 0) return 0.0;
+  const std::vector<double> eff = effective_speeds(reg);
+  std::vector<std::vector<size_t>> by_stage(size_t(reg.stages));
+  for (size_t i = 0; i < reg.peers.size(); ++i) by_stage[size_t(reg.peers[i].stage)].push_back(i);
+  size_t n = SIZE_MAX;
+  for (const auto& s : by_stage) n = std::min(n, s.size());
+  if (n == 0) return 0.0;
+  double slowest = std::numeric_limits<double>::infinity();
+  for (size_t k = 0; k < n; ++k)
+    for (int s = 0; s < reg.stages; ++s) slowest = std::min(slowest, eff[by_stage[size_t(s)][k]] / cost(reg, s));
+  return double(n) * slowest;
+}
+
+double peer_speed(double ms_per_unit, double stage_cost, double samples_per_unit) {
+  if (!(ms_per_unit > 0) || !(stage_cost > 0) || !(samples_per_unit > 0)) return 0.0;
+  return 1000.0 * samples_per_unit * stage_cost / ms_per_unit;
+}
+
+std::vector<double> stage_costs_from_params(const std::vector<int64_t>& params) {
+  double sum = 0;
+  int known = 0;
+  for (int64_t p : params)
+    if (p > 0) sum += double(p), known++;
+  std::vector<double> out(params.size(), 1.0);
+  if (known == 0) return out;
+  const double mean = sum / known;
+  for (size_t s = 0; s < params.size(); ++s)
+    if (params[s] > 0) out[s] = double(params[s]) / mean;
+  return out;
+}
+
+}  // namespace swarm

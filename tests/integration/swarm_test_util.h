@@ -1,0 +1,99 @@
+// swarm_test_util.h: what the multi-process tests share: temp dirs, a small text corpus, a
+// tiny job spec, submitting and waiting, running a command.
+#pragma once
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include <gtest/gtest.h>
+
+#include "runtime/client.h"
+#include "tools/local_swarm.h"
+
+namespace swarm::testing {
+
+using nlohmann::json;
+
+const std::string kBuild = SWARM_BUILD_DIR;
+const std::string kSource = SWARM_SOURCE_DIR;
+
+inline std::string temp_dir() {
+  char tmpl[] = "/tmp/swarm-test-XXXXXX";
+  return mkdtemp(tmpl);
+}
+
+// A few kilobytes of English-like text with enough structure for a tiny model to learn fast.
+inline std::string write_text(const std::string& dir) {
+  const char* lines[] = {"the quick brown fox jumps over the lazy dog. ", "a stitch in time saves nine. ",
+                         "all that glitters is not gold. ", "the early bird catches the worm. ",
+                         "where there is smoke there is fire. ", "actions speak louder than words. "};
+  std::string text;
+  uint64_t x = 7;
+  for (int i = 0; i < 1500; ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    text += lines[(x >> 33) % 6];
+  }
+  const std::string path = dir + "/text.txt";
+  std::ofstream(path) << text;
+  return path;
+}
+
+inline json tiny_job(const std::string& data, int stages, int steps, const std::string& schedule) {
+  return json{{"name", "test"},
+              {"seed", 3},
+              {"steps", steps},
+              {"schedule", schedule},
+              {"model", {{"vocab_size", 256}, {"d_model", 32}, {"n_head", 2}, {"n_layer", stages * 1}, {"seq_len", 16}}},
+              {"partition", {{"stages", stages}}},
+              {"data", {{"format", "text"}, {"path", data}, {"val_fraction", 0.1}}},
+              {"batch", {{"batch_size", 16}, {"microbatch_size", 4}}},
+              {"optimizer", {{"lr", 0.01}, {"min_lr", 0.001}, {"warmup_steps", 2}}},
+              {"diloco", {{"inner_steps", 5}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}}},
+              {"eval", {{"every_steps", 0}, {"batches", 4}}}};
+}
+
+inline uint64_t submit(Client& c, const json& spec, const std::string& resume = "") {
+  json body{{"spec", spec}};
+  if (!resume.empty()) body["resume"] = resume;
+  return c.request_body(wire::MsgType::kSubmit, body).at("job_id").get<uint64_t>();
+}
+
+// Waits until the router lists `n` peers.
+inline void wait_for_peers(Client& c, size_t n) {
+  for (int i = 0; i < 400; ++i) {
+    if (c.request_body(wire::MsgType::kPeers, json::object())["peers"].size() >= n) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  FAIL() << "peers did not register";
+}
+
+inline bool alive(pid_t pid) { return pid > 0 && kill(pid, 0) == 0; }
+
+// Runs a command; returns (exit code, stdout+stderr).
+inline std::pair<int, std::string> run(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  std::array<char, 4096> buf;
+  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
+  int st = p ? pclose(p) : -1;
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+// The training losses of a status's history, in step order.
+inline std::vector<double> train_losses(const json& st) {
+  std::vector<double> out;
+  for (const auto& e : st["history"])
+    if (e.contains("train_loss")) out.push_back(e["train_loss"].get<double>());
+  return out;
+}
+
+}  // namespace swarm::testing

@@ -1,0 +1,116 @@
+// test_diloco.cpp: the within-stage DiLoCo sync on real swarms: its degenerate cases equal
+// plain training and data-parallel SGD, a group stays byte-equal through a peer that dies
+// mid-round and one that joins, and streaming syncs every fragment once per H steps.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+
+#include "runtime/client.h"
+#include "tests/integration/swarm_test_util.h"
+#include "tools/local_swarm.h"
+
+using namespace swarm;
+using namespace swarm::testing;
+using nlohmann::json;
+
+namespace {
+
+json run_job(const std::string& dir, const json& spec, const std::vector<std::pair<int, std::vector<std::string>>>& peers) {
+  LocalSwarm swarm(dir, kBuild);
+  swarm.start_router();
+  int k = 0;
+  for (const auto& [stage, args] : peers) swarm.start_stage(stage, "p" + std::to_string(k++), 1, args);
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, peers.size());
+  FollowOptions fo;
+  fo.quiet = true;
+  fo.timeout_s = 180;
+  return follow_job(c, submit(c, spec), fo);
+}
+
+// Every peer of every stage reports the same hash of theta_g and the momentum.
+void expect_groups_agree(const json& st, size_t peers_per_stage) {
+  const json& hs = st["state_hashes"];
+  ASSERT_EQ(hs.size(), st["stages"].get<size_t>()) << st.dump();
+  for (const auto& stage : hs) {
+    EXPECT_EQ(stage.size(), peers_per_stage) << hs.dump();
+    std::set<uint64_t> distinct;
+    for (const auto& [peer, h] : stage.items()) distinct.insert(h.get<uint64_t>());
+    EXPECT_EQ(distinct.size(), 1u) << hs.dump();
+  }
+}
+
+}  // namespace
+
+// Outer SGD with lr 1 and no momentum sets theta_g to the one peer's weights: rounds change
+// nothing, the run equals plain AdamW training.
+TEST(Diloco, OnePeerPerStageWithOuterLrOneIsPlainTraining) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json plain = tiny_job(data, 2, 12, "sync");
+  plain["diloco"]["inner_steps"] = 1000;
+  json rounds = plain;
+  rounds["diloco"] = {{"inner_steps", 3}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}};
+  const json a = run_job(temp_dir(), plain, {{0, {}}, {1, {}}});
+  const json b = run_job(temp_dir(), rounds, {{0, {}}, {1, {}}});
+  ASSERT_EQ(a["state"], "done") << a.dump();
+  ASSERT_EQ(b["state"], "done") << b.dump();
+  EXPECT_GE(b["rounds"].get<int>(), 4);
+  const auto la = train_losses(a), lb = train_losses(b);
+  ASSERT_EQ(la.size(), 12u);
+  ASSERT_EQ(lb.size(), 12u);
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_NEAR(lb[i], la[i], 1e-6 * std::abs(la[i])) << "step " << i + 1;
+}
+
+// H = 1, inner SGD, outer SGD lr 1 momentum 0: each step the group's weights move by the
+// sample-weighted mean of the peers' SGD steps, which is one SGD step on all the group's
+// samples: data-parallel SGD, as the single-process reference computes it.
+TEST(Diloco, HOneWithInnerSgdIsDataParallelSgd) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json spec = tiny_job(data, 1, 10, "sync");
+  spec["optimizer"] = {{"name", "sgd"}, {"lr", 0.1}, {"min_lr", 0.1}, {"warmup_steps", 0}, {"weight_decay", 0.0}, {"grad_clip", 0.0}};
+  spec["diloco"] = {{"inner_steps", 1}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}};
+  std::ofstream(dir + "/job.json") << spec.dump();
+  auto [rc, out] = run(kBuild + "/swarm reference " + dir + "/job.json --threads 1 --json");
+  ASSERT_EQ(rc, 0) << out;
+  json ref;
+  for (size_t a = 0, b; (b = out.find('\n', a)) != std::string::npos; a = b + 1) {
+    json j = json::parse(out.substr(a, b - a), nullptr, false);
+    if (j.is_object() && j.value("event", "") == "done") ref = j;
+  }
+  const json st = run_job(dir, spec, {{0, {}}, {0, {}}});
+  ASSERT_EQ(st["state"], "done") << st.dump();
+  EXPECT_EQ(st["rounds"], 10);
+  expect_groups_agree(st, 2);
+  const auto losses = train_losses(st);
+  ASSERT_EQ(losses.size(), 10u);
+  for (size_t i = 0; i < losses.size(); ++i) {
+    const double r = ref["losses"][i].get<double>();
+    EXPECT_NEAR(losses[i], r, 1e-5 * std::abs(r)) << "step " << i + 1;
+  }
+}
+
+// Streaming with F fragments: fragment f syncs at the steps where (step - (f+1)H/F) is a
+// multiple of H, so exactly once in every H steps; the group ends byte-equal.
+TEST(Diloco, StreamingSyncsEveryFragmentOncePerHSteps) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json spec = tiny_job(data, 2, 32, "sync");
+  spec["diloco"] = {{"inner_steps", 8}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}, {"streaming", {{"fragments", 4}, {"overlap_steps", 1}}}};
+  spec["compression"] = {{"outer", "int8"}};
+  const json st = run_job(dir, spec, {{0, {}}, {0, {}}, {1, {}}, {1, {}}});
+  ASSERT_EQ(st["state"], "done") << st.dump();
+  EXPECT_EQ(st["fragment_syncs"], json::array({4, 4, 4, 4})) << st.dump();
+  std::vector<std::vector<int>> steps(4);
+  for (const auto& h : st["history"])
+    if (h.contains("fragment")) steps[h["fragment"].get<size_t>()].push_back(h["step"].get<int>());
+  for (int f = 0; f < 4; ++f) {
+    ASSERT_EQ(steps[size_t(f)].size(), 4u);
+    for (int k = 0; k < 4; ++k) EXPECT_EQ(steps[size_t(f)][size_t(k)], (f + 1) * 2 + 8 * k) << "fragment " << f;
+  }
+  expect_groups_agree(st, 2);
+  EXPECT_EQ(st["hash_mismatches"], 0);
+  EXPECT_LT(st["val_loss"].get<double>(), st["unigram_loss"].get<double>());
+}

@@ -1,0 +1,208 @@
+// test_durability.cpp: nothing learned is lost: a killed router continues from its state dir,
+// a damaged checkpoint is skipped for the previous one, a stage whose every peer died restarts
+// from its snapshot. Real processes on loopback, bounded in time, none left behind.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "runtime/client.h"
+#include "runtime/data.h"
+#include "runtime/job_spec.h"
+#include "tests/integration/swarm_test_util.h"
+#include "tools/local_swarm.h"
+
+using namespace swarm;
+using namespace swarm::testing;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Polls the job's status until `pred` holds or it ends; fails after `limit_s`.
+json poll_until(Client& c, uint64_t id, double limit_s, const std::function<bool(const json&)>& pred) {
+  const auto t0 = Clock::now();
+  for (;;) {
+    json st = c.request_body(wire::MsgType::kStatus, json{{"job_id", id}});
+    const std::string state = st.value("state", std::string());
+    if (pred(st) || state == "done" || state == "failed" || state == "cancelled") return st;
+    if (std::chrono::duration<double>(Clock::now() - t0).count() > limit_s) {
+      ADD_FAILURE() << "timed out: " << st.dump();
+      return st;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+json follow(Client& c, uint64_t id, double limit_s) {
+  FollowOptions fo;
+  fo.quiet = true;
+  fo.timeout_s = limit_s;
+  return follow_job(c, id, fo);
+}
+
+}  // namespace
+
+TEST(Durability, KilledRouterContinuesFromItsStateDir) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json spec = tiny_job(data, 2, 60, "sync");
+  spec["checkpoint"] = {{"every_steps", 10}, {"keep", 2}};
+  std::vector<pid_t> pids;
+  {
+    LocalSwarm swarm(dir, kBuild);
+    swarm.start_router({"--state-dir", dir + "/state"});
+    swarm.start_stage(0, "s0", 1);
+    swarm.start_stage(1, "s1", 1);
+    Client c(swarm.router_endpoint());
+    wait_for_peers(c, 2);
+    const uint64_t id = submit(c, spec);
+    json before = poll_until(c, id, 120, [](const json& st) { return st["step"].get<int>() >= 25; });
+    ASSERT_EQ(before["state"], "running") << before.dump();
+    const std::vector<double> losses_before = train_losses(before);
+    ASSERT_GE(losses_before.size(), 20u);
+
+    swarm.kill_router(SIGKILL);
+    swarm.restart_router();
+    Client c2(swarm.router_endpoint());
+    json st = follow(c2, id, 180);
+    ASSERT_EQ(st["state"], "done") << st.dump();
+    EXPECT_EQ(st["step"], 60);
+    EXPECT_EQ(st["microbatches"]["lost"], 0);
+    const json& resumed = st["resumed"];
+    ASSERT_TRUE(resumed.is_object()) << st.dump();
+    EXPECT_GE(resumed["step"].get<int>(), 20);
+    EXPECT_GE(resumed["microbatches_redone"].get<int>(), 0);
+    // The curve continues: the first loss after the restart is near where training was, far
+    // below the loss of a fresh model.
+    const std::vector<double> losses = train_losses(st);
+    ASSERT_EQ(losses.size(), 60u);
+    const size_t r = size_t(resumed["step"].get<int>());
+    EXPECT_LT(losses[r], losses[0] - 1.0) << json(losses).dump();
+    EXPECT_LT(losses[r], losses[r - 1] + 0.3) << json(losses).dump();
+    EXPECT_LT(st["val_loss"].get<double>(), st["unigram_loss"].get<double>());
+    for (auto& s : swarm.stages()) pids.push_back(s.pid);
+  }
+  for (pid_t p : pids) EXPECT_FALSE(alive(p)) << "process " << p << " left behind";
+}
+
+TEST(Durability, TruncatedCheckpointIsSkippedForThePreviousOne) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json spec = tiny_job(data, 2, 30, "sync");
+  spec["checkpoint"] = {{"dir", dir + "/ckpt"}, {"every_steps", 10}, {"keep", 3}};
+  LocalSwarm swarm(dir, kBuild);
+  swarm.start_router();
+  swarm.start_stage(0, "s0", 1);
+  swarm.start_stage(1, "s1", 1);
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, 2);
+  json st = follow(c, submit(c, spec), 120);
+  ASSERT_EQ(st["state"], "done") << st.dump();
+  ASSERT_EQ(st["checkpoints"]["written"], 3) << st.dump();
+
+  // Cut the newest checkpoint's stage file in half.
+  const fs::path newest = dir + "/ckpt/step-00000030/stage-1.bin";
+  ASSERT_TRUE(fs::exists(newest));
+  fs::resize_file(newest, fs::file_size(newest) / 2);
+
+  spec["steps"] = 40;
+  const uint64_t id = submit(c, spec, dir + "/ckpt");
+  st = follow(c, id, 120);
+  ASSERT_EQ(st["state"], "done") << st.dump();
+  EXPECT_EQ(st["resumed"]["step"], 20) << st.dump();
+  ASSERT_EQ(st["resumed"]["skipped"].size(), 1u) << st.dump();
+  EXPECT_NE(st["resumed"]["skipped"][0].get<std::string>().find("step-00000030"), std::string::npos);
+  EXPECT_EQ(st["step"], 40);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+
+  // A checkpoint from another model is refused with a message that says so.
+  spec["model"]["d_model"] = 64;
+  try {
+    submit(c, spec, dir + "/ckpt");
+    ADD_FAILURE() << "a mismatched resume was accepted";
+  } catch (const RouterError& e) {
+    EXPECT_NE(std::string(e.what()).find("\"model\""), std::string::npos) << e.what();
+  }
+}
+
+TEST(Durability, StageWhosePeersAllDiedRestartsFromItsSnapshot) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json spec = tiny_job(data, 2, 60, "async");
+  std::vector<pid_t> pids;
+  {
+    LocalSwarm swarm(dir, kBuild);
+    swarm.start_router();
+    swarm.start_stage(0, "s0-0", 1);
+    swarm.start_stage(0, "s0-1", 1);
+    swarm.start_stage(1, "s1-0", 1);
+    swarm.start_stage(1, "s1-1", 1);
+    Client c(swarm.router_endpoint());
+    wait_for_peers(c, 4);
+    const uint64_t id = submit(c, spec);
+    poll_until(c, id, 120, [](const json& st) { return st["step"].get<int>() >= 22; });
+    swarm.kill_stage(2, SIGKILL);
+    swarm.kill_stage(3, SIGKILL);
+    json paused = poll_until(c, id, 30, [](const json& st) { return st["peers_per_stage"][1] == 0 && !st["reason"].get<std::string>().empty(); });
+    EXPECT_NE(paused["reason"].get<std::string>().find("stage(s) 1"), std::string::npos) << paused.dump();
+    const size_t fresh = swarm.start_stage(1, "s1-new", 1);
+    json st = follow(c, id, 180);
+    ASSERT_EQ(st["state"], "done") << st.dump();
+    EXPECT_EQ(st["microbatches"]["lost"], 0);
+    EXPECT_EQ(st["microbatches"]["taken"], st["microbatches"]["completed"]);
+    const json& restores = st["stage_restores"];
+    ASSERT_EQ(restores.size(), 1u) << st.dump();
+    EXPECT_EQ(restores[0]["stage"], 1);
+    EXPECT_EQ(restores[0]["peer"], "s1-new");
+    EXPECT_GE(restores[0]["snapshot_step"].get<int>(), 20);  // a round's snapshot, not the initial weights
+    EXPECT_GE(restores[0]["lost_steps"].get<int>(), 0);
+    // Training carried on from where it was: no return to a fresh model's loss.
+    const std::vector<double> losses = train_losses(st);
+    double worst_after = 0;
+    for (size_t i = 30; i < losses.size(); ++i) worst_after = std::max(worst_after, losses[i]);
+    EXPECT_LT(worst_after, losses[0] - 1.0) << json(losses).dump();
+    EXPECT_LT(st["val_loss"].get<double>(), st["unigram_loss"].get<double>());
+    (void)fresh;
+    for (auto& s : swarm.stages()) pids.push_back(s.pid);
+  }
+  for (pid_t p : pids) EXPECT_FALSE(alive(p)) << "process " << p << " left behind";
+}
+
+TEST(Durability, ExportedModelGivesTheSwarmsValidationLossInPyTorch) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json spec = tiny_job(data, 2, 20, "sync");
+  spec["checkpoint"] = {{"dir", dir + "/ckpt"}};
+  LocalSwarm swarm(dir, kBuild);
+  swarm.start_router();
+  swarm.start_stage(0, "s0", 1);
+  swarm.start_stage(1, "s1", 1);
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, 2);
+  json st = follow(c, submit(c, spec), 120);
+  ASSERT_EQ(st["state"], "done") << st.dump();
+
+  auto [rc, out] = run(kBuild + "/swarm export " + dir + "/ckpt --out " + dir + "/model.pt");
+  ASSERT_EQ(rc, 0) << out;
+  // The validation microbatches the router evaluated, as check_export.py reads them.
+  const JobSpec js = parse_job_spec(spec);
+  TokenData td = TokenData::load(js.data, js.model.seq_len, js.model.vocab_size);
+  const int B = js.batch.microbatch_size, T = js.model.seq_len, n = js.eval.batches;
+  {
+    std::ofstream f(dir + "/val.bin", std::ios::binary);
+    const int32_t header[3] = {n, B, T};
+    f.write(reinterpret_cast<const char*>(header), sizeof(header));
+    for (int i = 0; i < n; ++i) {
+      Microbatch mb = sample_microbatch(td, Split::kVal, js.seed, uint64_t(i), B, T);
+      f.write(reinterpret_cast<const char*>(mb.x.data()), std::streamsize(mb.x.size() * 4));
+      f.write(reinterpret_cast<const char*>(mb.y.data()), std::streamsize(mb.y.size() * 4));
+    }
+  }
+  std::tie(rc, out) = run("/usr/bin/python3 " + kSource + "/tests/python/check_export.py " + dir + "/model.pt " + dir +
+                          "/model.json " + dir + "/val.bin");
+  ASSERT_EQ(rc, 0) << "Debian's python3-torch is needed (tools/install-deps.sh installs it): " << out;
+  const json py = json::parse(out.substr(out.find('{')));
+  EXPECT_NEAR(py["loss"].get<double>(), st["val_loss"].get<double>(), 1e-3) << out;
+}

@@ -1,0 +1,390 @@
+// test_faults.cpp: injected faults on real processes.
+//
+// A real swarm-stage talks to a fake router (a ROUTER socket in this test) so that every
+// message it sends can be inspected: CHAOS arms a fault or is refused with an ERROR; crash
+// dies by SIGKILL; zombie heartbeats but never answers; drop, duplicate, delay and corrupt act on
+// replies and heartbeats; freeze and partition silence it and it carries on afterwards. Then
+// LocalSwarm's chaos runner stops, resumes, kills and restarts real peers from a plan. No model
+// is loaded: a STEP before LOAD_STAGE is answered with an ERROR, which is reply enough. Every
+// wait is bounded; every process is killed by its pid at the end.
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "runtime/chaos_plan.h"
+#include "runtime/wire.h"
+#include "swarm_test_util.h"
+#include "tools/local_swarm.h"
+
+using namespace swarm;
+using namespace swarm::testing;
+using nlohmann::json;
+using wire::Message;
+using wire::MsgType;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// A swarm-stage process, killed (SIGCONT, SIGKILL) by its pid when the test ends.
+struct StageProcess {
+  pid_t pid = -1;
+  StageProcess(const std::string& endpoint, const std::vector<std::string>& extra, const std::string& log) {
+    std::vector<std::string> argv = {kBuild + "/swarm-stage", "--router", endpoint, "--name", "faulty", "--threads", "1"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    pid = fork();
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      FILE* f = std::freopen(log.c_str(), "w", stderr);
+      (void)f;
+      execv(args[0], args.data());
+      _exit(127);
+    }
+  }
+  ~StageProcess() {
+    if (pid > 0) {
+      kill(pid, SIGCONT);
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+  // The signal that ended it within timeout_s, 0 if it exited normally, -1 if still running.
+  int wait_death(double timeout_s) {
+    const auto t0 = Clock::now();
+    while (since(t0) < timeout_s) {
+      int status = 0;
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        pid = -1;
+        return WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return -1;
+  }
+};
+
+// The router side of one stage server, on loopback.
+class FakeRouter {
+ public:
+  FakeRouter() : sock_(ctx_, zmq::socket_type::router) {
+    sock_.set(zmq::sockopt::linger, 0);
+    sock_.set(zmq::sockopt::router_handover, 1);  // a reconnecting stage keeps its routing id
+    sock_.bind("tcp://127.0.0.1:*");
+    endpoint_ = sock_.get(zmq::sockopt::last_endpoint);
+  }
+  const std::string& endpoint() const { return endpoint_; }
+
+  // The next message's frames within timeout_s (nullopt when none). While waiting it sends the
+  // stage a heartbeat every 100 ms when `keepalive`, as a router does.
+  std::optional<std::vector<zmq::message_t>> next_frames(double timeout_s) {
+    const auto t0 = Clock::now();
+    while (since(t0) < timeout_s) {
+      if (keepalive && !route_.empty() && since(last_beat_) > 0.1) {
+        Message hb(MsgType::kHeartbeat);
+        send(hb);
+      }
+      zmq::pollitem_t item{sock_.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, std::chrono::milliseconds(20));
+      if (!(item.revents & ZMQ_POLLIN)) continue;
+      auto r = wire::recv_frames(sock_, true, zmq::recv_flags::dontwait);
+      if (!r) continue;
+      route_ = r->route;
+      return std::move(r->frames);
+    }
+    return std::nullopt;
+  }
+
+  // The next message that decodes and is not a heartbeat (heartbeats are counted).
+  std::optional<Message> next(double timeout_s) {
+    const auto t0 = Clock::now();
+    while (since(t0) < timeout_s) {
+      auto f = next_frames(timeout_s - since(t0));
+      if (!f) return std::nullopt;
+      Message m = wire::decode(*f);
+      if (m.type == MsgType::kHeartbeat) {
+        heartbeats++;
+        continue;
+      }
+      return m;
+    }
+    return std::nullopt;
+  }
+
+  // Waits for HELLO (libtorch takes a while to load) and welcomes the stage.
+  void welcome(int heartbeat_ms, int liveness) {
+    auto m = next(30);
+    ASSERT_TRUE(m) << "no HELLO from the stage server";
+    ASSERT_EQ(m->type, MsgType::kHello);
+    Message w(MsgType::kWelcome, 0, 0, json{{"peer_id", "p-test"}, {"heartbeat_ms", heartbeat_ms}, {"liveness", liveness}});
+    send(w);
+  }
+
+  void send(Message& m) {
+    wire::send(sock_, m, &route_);
+    last_beat_ = Clock::now();
+  }
+  // A request the stage answers with ERROR (no stage is loaded): enough to exercise replies.
+  void step(uint64_t id) {
+    Message m(MsgType::kStep, id, 0, json{{"job_id", 1}, {"samples", 4}});
+    send(m);
+  }
+
+  bool keepalive = true;
+  int heartbeats = 0;
+
+ private:
+  zmq::context_t ctx_{1};
+  zmq::socket_t sock_;
+  std::string endpoint_, route_;
+  Clock::time_point last_beat_ = Clock::now();
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+TEST(StageFaults, ChaosArmsAFaultOrIsRefused) {
+  const std::string dir = temp_dir();
+  FakeRouter r;
+  StageProcess stage(r.endpoint(), {}, dir + "/stage.log");
+  r.welcome(100, 100);
+
+  Message bad(MsgType::kChaos, 5, 0, json{{"fault", "crash,factr=1"}});
+  r.send(bad);
+  auto e = r.next(5);
+  ASSERT_TRUE(e);
+  ASSERT_EQ(e->type, MsgType::kError);
+  EXPECT_EQ(e->id, 5u);
+  EXPECT_NE(e->body.value("message", "").find("unknown key \"factr\""), std::string::npos) << e->body.dump();
+
+  Message crash(MsgType::kChaos, 6, 0, json{{"fault", {{"action", "crash"}, {"point", "heartbeat"}}}});
+  r.send(crash);
+  EXPECT_EQ(stage.wait_death(5), SIGKILL);
+  const std::string log = slurp(dir + "/stage.log");
+  EXPECT_NE(log.find("fault added by the router: crash,point=heartbeat"), std::string::npos) << log;
+  EXPECT_NE(log.find("fault fired: crash,point=heartbeat"), std::string::npos) << log;
+}
+
+TEST(StageFaults, ZombieHeartbeatsButNeverAnswers) {
+  const std::string dir = temp_dir();
+  FakeRouter r;
+  StageProcess stage(r.endpoint(), {"--fault", "zombie,after=2"}, dir + "/stage.log");
+  r.welcome(100, 100);
+  r.step(1);
+  auto e = r.next(5);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->type, MsgType::kError);
+  EXPECT_EQ(e->id, 1u);
+  r.step(2);
+  r.step(3);
+  r.heartbeats = 0;
+  EXPECT_FALSE(r.next(1.0)) << "a zombie answered";
+  EXPECT_GE(r.heartbeats, 5) << "a zombie keeps heartbeating";
+}
+
+TEST(StageFaults, DropDuplicateDelayAndCorruptReplies) {
+  const std::string dir = temp_dir();
+  FakeRouter r;
+  StageProcess stage(r.endpoint(),
+                     {"--fault", "drop,count=1", "--fault", "duplicate,after=2,count=1", "--fault",
+                      "delay,after=3,count=1,delay_ms=400", "--fault", "corrupt,after=4,count=1"},
+                     dir + "/stage.log");
+  r.welcome(100, 100);
+
+  r.step(1);
+  EXPECT_FALSE(r.next(0.6)) << "the first reply should have been dropped";
+
+  r.step(2);
+  for (int copy = 0; copy < 2; ++copy) {
+    auto e = r.next(5);
+    ASSERT_TRUE(e) << "copy " << copy;
+    EXPECT_EQ(e->id, 2u);
+  }
+
+  const auto t0 = Clock::now();
+  r.step(3);
+  auto e = r.next(5);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->id, 3u);
+  EXPECT_GE(since(t0), 0.38);
+
+  r.step(4);
+  bool rejected = false;
+  for (int i = 0; i < 100 && !rejected; ++i) {
+    auto f = r.next_frames(5);
+    ASSERT_TRUE(f);
+    if (wire::peek_id(*f) == std::optional<uint64_t>(0)) continue;  // a heartbeat
+    EXPECT_THROW(wire::decode(*f), WireError);
+    rejected = true;
+  }
+  EXPECT_TRUE(rejected);
+  r.step(5);  // every fault has used its count: a plain answer
+  e = r.next(5);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->id, 5u);
+}
+
+TEST(StageFaults, CorruptHeartbeatIsCaughtByItsReceiver) {
+  const std::string dir = temp_dir();
+  FakeRouter r;
+  StageProcess stage(r.endpoint(), {"--fault", "corrupt,point=heartbeat,count=1"}, dir + "/stage.log");
+  r.welcome(100, 100);
+  int bad = 0, good = 0;
+  const auto t0 = Clock::now();
+  while (since(t0) < 10 && good < 3) {
+    auto f = r.next_frames(5);
+    ASSERT_TRUE(f);
+    try {
+      if (wire::decode(*f).type == MsgType::kHeartbeat) good++;
+    } catch (const WireError&) {
+      bad++;
+    }
+  }
+  EXPECT_EQ(bad, 1);
+  EXPECT_EQ(good, 3);
+}
+
+TEST(StageFaults, FreezeSilencesEverythingThenCarriesOn) {
+  const std::string dir = temp_dir();
+  FakeRouter r;
+  StageProcess stage(r.endpoint(), {"--fault", "freeze,point=heartbeat,after_s=0.5,duration_s=1.5"}, dir + "/stage.log");
+  r.welcome(100, 100);
+  // Heartbeats 0.1 s apart, one gap of about 1.5 s, then heartbeats again.
+  double longest = 0;
+  auto last = Clock::now();
+  int after_gap = 0;
+  const auto t0 = Clock::now();
+  while (since(t0) < 10 && after_gap < 3) {
+    auto f = r.next_frames(5);
+    ASSERT_TRUE(f) << "no heartbeat for 5 s";
+    const double gap = since(last);
+    last = Clock::now();
+    if (longest > 1.0) after_gap++;
+    longest = std::max(longest, gap);
+  }
+  EXPECT_GE(longest, 1.3);
+  EXPECT_LT(longest, 3.0);
+  EXPECT_EQ(after_gap, 3);
+  r.step(1);
+  auto e = r.next(5);
+  ASSERT_TRUE(e) << "a thawed stage server answers again";
+  EXPECT_EQ(e->id, 1u);
+}
+
+TEST(StageFaults, PartitionCutsTrafficThenTheStageRejoins) {
+  const std::string dir = temp_dir();
+  FakeRouter r;
+  // Silence rule: 10 x 100 ms. The partition outlasts it, so the stage says HELLO afterwards.
+  StageProcess stage(r.endpoint(), {"--fault", "partition,point=heartbeat,after_s=0.5,duration_s=2"}, dir + "/stage.log");
+  r.welcome(100, 10);
+  const auto t0 = Clock::now();
+  auto last = Clock::now();
+  double longest = 0;
+  bool hello_again = false;
+  while (since(t0) < 10 && !hello_again) {
+    auto f = r.next_frames(5);
+    ASSERT_TRUE(f) << "nothing from the stage for 5 s";
+    longest = std::max(longest, since(last));
+    last = Clock::now();
+    hello_again = wire::decode(*f).type == MsgType::kHello;
+  }
+  EXPECT_TRUE(hello_again);
+  EXPECT_GE(longest, 1.8);
+  const std::string log = slurp(dir + "/stage.log");
+  EXPECT_NE(log.find("partition over"), std::string::npos) << log;
+}
+
+TEST(LocalChaos, PlanStopsResumesKillsAndRestartsRealPeers) {
+  const std::string dir = temp_dir();
+  ChaosPlan plan = parse_chaos_plan(json::parse(R"({
+    "seed": 3,
+    "faults": {"b": ["slow,factor=2"]},
+    "events": [
+      {"at_s": 0.2, "action": "stop", "peer": "a", "duration_s": 0.5},
+      {"at_s": 1.0, "action": "kill", "peer": "random", "restart_after_s": 0.5},
+      {"every_s": 0.3, "start_s": 2.0, "count": 2, "action": "cont"}
+    ]})"));
+  LocalSwarm swarm(dir, kBuild);
+  swarm.set_stage_faults(plan);
+  swarm.start_router();
+  swarm.start_stage(0, "a", 1);
+  swarm.start_stage(0, "b", 1);
+  const pid_t a0 = swarm.stages()[0].pid, b0 = swarm.stages()[1].pid;
+
+  ChaosPlan wrong = plan;
+  wrong.events[0].peer = "zz";
+  try {
+    swarm.run_chaos(wrong);
+    FAIL() << "a plan naming an unknown peer ran";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("\"zz\", which this swarm does not have; its peers are: a, b"), std::string::npos) << e.what();
+  }
+
+  std::vector<ChaosRecord> seen;
+  std::mutex mu;
+  swarm.run_chaos(plan, [&](const ChaosRecord& r) {
+    std::lock_guard<std::mutex> l(mu);
+    seen.push_back(r);
+  });
+  for (int i = 0; i < 300 && swarm.chaos_log().size() < 6; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const auto log = swarm.chaos_log();
+  ASSERT_EQ(log.size(), 6u);
+  EXPECT_EQ(log[0].action, "stop");
+  EXPECT_EQ(log[0].peer, "a");
+  EXPECT_EQ(log[0].pid, a0);
+  EXPECT_EQ(log[1].action, "cont");
+  EXPECT_EQ(log[1].peer, "a");
+  EXPECT_GE(log[1].t_s - log[0].t_s, 0.45);  // resumed duration_s later (a loaded machine may be late)
+  EXPECT_LT(log[1].t_s - log[0].t_s, 2.0);
+  EXPECT_EQ(log[2].action, "kill");
+  const size_t victim = log[2].index;
+  EXPECT_EQ(log[2].pid, victim == 0 ? a0 : b0);
+  EXPECT_EQ(log[3].action, "restart");
+  EXPECT_EQ(log[3].index, victim);
+  EXPECT_NE(log[3].pid, log[2].pid);
+  EXPECT_TRUE(alive(log[3].pid));
+  EXPECT_GE(log[3].t_s - log[2].t_s, 0.45);
+  EXPECT_LT(log[3].t_s - log[2].t_s, 2.0);
+  EXPECT_GE(log[2].t_s, 0.95);
+  // Nothing is stopped any more: the periodic cont finds no peer to resume.
+  EXPECT_EQ(log[4].action, "cont");
+  EXPECT_NE(log[4].note.find("skipped: no peer fits"), std::string::npos) << log[4].note;
+  {
+    std::lock_guard<std::mutex> l(mu);
+    EXPECT_EQ(seen.size(), log.size());
+  }
+
+  // b started with the plan's fault (and gets it again when restarted).
+  const std::string blog = slurp(dir + "/b.log");
+  EXPECT_NE(blog.find("faults armed"), std::string::npos) << blog;
+  EXPECT_NE(blog.find("slow,factor=2"), std::string::npos) << blog;
+  EXPECT_EQ(slurp(dir + "/a.log").find("faults armed"), std::string::npos);
+
+  // A stopped peer left behind is resumed and stopped with the rest.
+  swarm.kill_stage(1, SIGSTOP);
+  const pid_t b = swarm.stages()[1].pid, a = swarm.stages()[0].pid;
+  swarm.stop_all();
+  EXPECT_FALSE(alive(a));
+  EXPECT_FALSE(alive(b));
+}
