@@ -16,12 +16,19 @@ int choose_peer(const std::vector<Candidate>& peers, double units, double affini
   for (const auto& c : peers)
     if (!c.excluded && c.ms_per_unit > 0 && (min_per == 0 || c.ms_per_unit < min_per)) min_per = c.ms_per_unit;
   if (min_per == 0) min_per = 1.0;
+  // A backward away from the peer holding the forward's graph recomputes that forward: the
+  // extra work is taken from the stage's capacity, so it is charged twice against such a peer
+  // (once as its own time, once as throughput lost), and the graph's holder wins unless
+  // another peer is clearly quicker.
+  bool holder = false;
+  for (const auto& c : peers) holder |= c.affinity && !c.excluded;
+  const double elsewhere = holder ? units + (units - affinity_units) : units;
   int best = -1;
   double best_ms = std::numeric_limits<double>::infinity();
   for (size_t i = 0; i < peers.size(); ++i) {
     const auto& c = peers[i];
     if (c.excluded) continue;
-    const double ms = expected_ms(c, c.affinity ? affinity_units : units, min_per);
+    const double ms = expected_ms(c, c.affinity ? affinity_units : elsewhere, min_per);
     // Ties go to the earlier candidate (callers pass peers in a stable order).
     if (ms < best_ms) {
       best_ms = ms;

@@ -55,9 +55,12 @@ const char* state_name(PeerState s) {
 struct Peer {
   std::string route;
   std::string name, device, profile;
+  std::string device_name;                 // from HELLO: "cpu" or the device string (CUDA)
+  json device_memory_bytes = nullptr;      // from HELLO: total memory, null when unknown
   double emulate = 1;
   bool echo = false;
-  int requested_stage = -1;
+  int requested_stage = -1;  // --stage: pinned, never moved
+  int preferred_stage = -1;  // --prefer-stage: where it starts; the rebalancer may move it
   int stage = -1;
   uint64_t job_id = 0;
   PeerState state = PeerState::kIdle;
@@ -399,12 +402,16 @@ struct Router::Impl {
     p.emulate = b.value("emulate", 1.0);
     p.echo = b.value("echo", false);
     p.requested_stage = b.value("stage", -1);
+    p.preferred_stage = b.value("prefer_stage", -1);
+    p.device_name = b.value("device_name", p.device).substr(0, limits::kMaxPeerIdBytes);
+    if (b.contains("device_memory_bytes") && b["device_memory_bytes"].is_number_unsigned()) p.device_memory_bytes = b["device_memory_bytes"];
     p.joined = p.last_seen = Clock::now();
     peers[route] = p;
     Message w(MsgType::kWelcome, m.id, 0, json{{"peer_id", route}, {"heartbeat_ms", opt.heartbeat_ms}, {"liveness", opt.liveness}});
     wire::send(sock, w, &route);
     log_info("router", "peer " + p.name + " (" + route + ") joined" +
                            (p.requested_stage >= 0 ? " asking for stage " + std::to_string(p.requested_stage) : "") +
+                           (p.requested_stage < 0 && p.preferred_stage >= 0 ? " preferring stage " + std::to_string(p.preferred_stage) : "") +
                            (p.emulate > 1 ? " [emulated " + std::to_string(p.emulate) + "x slower]" : ""));
     if (Job* j = active_job()) assign_and_load(*j, peers[route]);
   }
@@ -445,22 +452,25 @@ struct Router::Impl {
     return out.empty() ? unresponsive : out;
   }
 
-  // How long a request other than a hop may take: the optimizer step, round messages and state
-  // copies are milliseconds of work behind whatever the peer has queued; loading builds a model.
+  // How long a request other than a hop may take: an optimizer step, a round message or a state
+  // copy is a few units of work behind whatever the peer has queued, so 4x that from its
+  // measured speed + 1 s, at least 2 s, at most the job's backward limit; loading builds a model.
   double request_limit_s(const Pending& pd) const {
-    switch (pd.kind) {
-      case Pending::kLoad: return 120;
-      case Pending::kHop: return 1e9;  // hops have their own deadline
-      default: {
-        const Job* j = nullptr;
-        for (auto& jp : jobs)
-          if (jp->id == pd.job) j = jp.get();
-        return j ? std::min(j->spec.timeouts.backward_s, 10.0) : 10.0;
-      }
-    }
+    if (pd.kind == Pending::kLoad) return 120;
+    if (pd.kind == Pending::kHop) return 1e9;  // hops have their own deadline
+    const Job* j = nullptr;
+    for (auto& jp : jobs)
+      if (jp->id == pd.job) j = jp.get();
+    const double cap = j ? j->spec.timeouts.backward_s : 60.0;
+    auto pit = peers.find(pd.peer);
+    if (pit == peers.end() || pit->second.ms_per_unit <= 0) return std::min(cap, 10.0);
+    const Peer& p = pit->second;
+    const double expect_s = (p.queued_units + 3.0) * p.ms_per_unit / 1000.0;
+    return std::min(cap, std::max(2.0, 4.0 * expect_s + 1.0));
   }
 
-  // A new peer for a running job: the stage it asked for, else the least-served stage.
+  // A peer for a running job: the stage it pinned (--stage), else the one it prefers
+  // (--prefer-stage, movable later), else where the swarm's minimum stage throughput rises most.
   void assign_and_load(Job& j, Peer& p) {
     if (j.transport_bench) {
       if (!p.echo) return;
@@ -472,8 +482,8 @@ struct Router::Impl {
         log_warn("router", "peer " + p.name + " asked for stage " + std::to_string(stage) + " but job " + std::to_string(j.id) + " has " + std::to_string(j.S) + " stages; placing it");
         stage = -1;
       }
+      if (stage < 0 && p.preferred_stage >= 0 && p.preferred_stage < j.S) stage = p.preferred_stage;
       if (stage < 0) {
-        // Where the swarm's minimum stage throughput rises most (router/placement.h).
         std::string why;
         stage = place_peer(registry(j), 0.0, &why);
         log_info("router", "placing peer " + p.name + ": " + why);
@@ -481,6 +491,11 @@ struct Router::Impl {
       p.stage = stage;
     }
     p.job_id = j.id;
+    send_load(j, p);
+  }
+
+  // LOAD_STAGE for the peer's p.stage; it gets the stage's state before it serves (on_loaded).
+  void send_load(Job& j, Peer& p) {
     p.state = PeerState::kLoading;
     uint64_t id = next_req++;
     pending[id] = Pending{Pending::kLoad, j.id, 0, p.route, "", 0};
@@ -578,13 +593,9 @@ struct Router::Impl {
     p.ms_per_unit *= cost[size_t(mv.to)] / cost[size_t(mv.from)];
     p.requested_stage = -1;
     p.stage = mv.to;
-    p.state = PeerState::kLoading;
     // The peer answers what it was already sent for its old stage, then loads the new one and
     // gets its state from a donor (or the stage snapshot) before it serves.
-    uint64_t id = next_req++;
-    pending[id] = Pending{Pending::kLoad, j.id, 0, p.route, "", 0};
-    Message m(MsgType::kLoadStage, id, 0, json{{"job_id", j.id}, {"stage", p.stage}, {"spec", j.spec_json}});
-    send_to(p.route, m);
+    send_load(j, p);
   }
 
   // ---------------------------------------------------------------- clients
@@ -794,8 +805,10 @@ struct Router::Impl {
     json list = json::array();
     const auto now = Clock::now();
     for (auto& [r, p] : peers) {
-      list.push_back({{"id", r}, {"name", p.name}, {"device", p.device}, {"stage", p.stage},
-                      {"requested_stage", p.requested_stage}, {"state", state_name(p.state)}, {"job_id", p.job_id},
+      list.push_back({{"id", r}, {"name", p.name}, {"device", p.device}, {"device_name", p.device_name},
+                      {"device_memory_bytes", p.device_memory_bytes}, {"stage", p.stage},
+                      {"requested_stage", p.requested_stage}, {"preferred_stage", p.preferred_stage},
+                      {"state", state_name(p.state)}, {"job_id", p.job_id},
                       {"emulate", p.emulate}, {"profile", p.profile}, {"echo", p.echo},
                       {"ms_per_unit", p.ms_per_unit}, {"queued_units", p.queued_units},
                       {"results", p.results}, {"failures", p.failures},
@@ -948,6 +961,11 @@ struct Router::Impl {
         return;
       }
       case Pending::kLoad:
+        // Idle again, and offered the job again when the ban ends (tick).
+        if (pit != peers.end() && pit->second.state == PeerState::kLoading) {
+          pit->second.state = PeerState::kIdle;
+          if (!error) ban(pit->second);
+        }
         return;
       case Pending::kStep:
         j->step_waiting.erase(pd.peer);
@@ -963,6 +981,8 @@ struct Router::Impl {
         return;
       }
       case Pending::kStateLoad:
+        // The copy did not land: another donor, or the snapshot.
+        if (pit != peers.end() && pit->second.state == PeerState::kSyncing) start_sync(*j, pit->second);
         return;
       case Pending::kSnapshot:
         j->snapshot_waiting.erase(pd.peer);
@@ -1021,7 +1041,9 @@ struct Router::Impl {
   void restore_from_snapshot(Job& j, Peer& p) {
     const auto& snap = j.snapshots[size_t(p.stage)];
     const int lost = j.steps_done - snap.step;
-    if (j.state == JobState::kRunning) {  // the stage had died mid-run (not a job resuming)
+    bool others = false;
+    for (Peer* d : stage_peers(j, p.stage)) others |= d != &p;
+    if (j.state == JobState::kRunning && !others) {  // the stage had died mid-run (not a job resuming)
       j.restores.push_back({{"stage", p.stage}, {"peer", p.name}, {"snapshot_step", snap.step}, {"step", j.steps_done}, {"lost_steps", lost}});
       log_warn("router", "stage " + std::to_string(p.stage) + " restarts from its snapshot of step " + std::to_string(snap.step) +
                              " on peer " + p.name + " (" + std::to_string(lost) + " step(s) of that stage lost)");
@@ -1108,7 +1130,7 @@ struct Router::Impl {
         // new work for a growing time, then a probe. Any answer restores it.
         Peer& p = pit->second;
         p.timeouts++;
-        if (it->second.kind == Pending::kHop) p.ms_per_unit = std::max(2.0 * p.ms_per_unit, 100.0);
+        if (it->second.kind == Pending::kHop) p.ms_per_unit = p.ms_per_unit > 0 ? std::max(2.0 * p.ms_per_unit, 100.0) : 1000.0;
         if (++p.timeouts_in_row >= 3) {
           const double s = std::min(60.0, std::pow(2.0, double(p.timeouts_in_row - 2)));
           p.unresponsive_until = now + std::chrono::milliseconds(int64_t(s * 1000));
@@ -1149,11 +1171,14 @@ struct Router::Impl {
       p.job_id = 0;
       p.stage = -1;
       p.state = PeerState::kIdle;
+      p.integrity_failures = 0;
     }
-    // Peers that asked for a stage first, then the rest on the least-served stage.
-    for (int pass = 0; pass < 2; ++pass)
+    // Peers that pinned a stage first, then those that prefer one, then the rest where
+    // place_peer puts them (it sees the others already placed).
+    auto pass_of = [](const Peer& p) { return p.requested_stage >= 0 ? 0 : p.preferred_stage >= 0 ? 1 : 2; };
+    for (int pass = 0; pass < 3; ++pass)
       for (auto& [route, p] : peers)
-        if ((pass == 0) == (p.requested_stage >= 0)) assign_and_load(j, p);
+        if (pass_of(p) == pass) assign_and_load(j, p);
     log_info("router", "job " + std::to_string(j.id) + " starting: " + std::to_string(j.S) + " stage(s), " +
                            std::to_string(peers.size()) + " peer(s)");
   }
@@ -1888,6 +1913,12 @@ struct Router::Impl {
     j.last_eval_step = r.value("last_eval_step", -1);
     if (r.contains("train_loss") && r["train_loss"].is_number()) j.train_loss = r["train_loss"].get<double>();
     if (r.contains("val_loss") && r["val_loss"].is_number()) j.val_loss = r["val_loss"].get<double>();
+    if (r.contains("microbatches")) {
+      const json& mb = r["microbatches"];
+      j.resent = mb.value("resent", uint64_t(0));
+      j.duplicates = mb.value("duplicates", uint64_t(0));
+      j.rejected = mb.value("rejected", uint64_t(0));
+    }
     for (const auto& st : ck.stages) {
       auto& snap = j.snapshots.at(size_t(st.stage));
       snap.valid = true;

@@ -7,6 +7,7 @@
 #include "runtime/fault.h"
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -62,7 +63,7 @@ std::string all_actions() {
 
 // The keys an action takes, in canonical order.
 std::vector<std::string> keys_of(FaultAction a) {
-  std::vector<std::string> k = {"point", "after", "step", "after_s", "p", "count"};
+  std::vector<std::string> k = {"point", "on", "after", "step", "after_s", "p", "count"};
   if (a == FaultAction::kFreeze || a == FaultAction::kZombie || a == FaultAction::kPartition) k.push_back("duration_s");
   if (a == FaultAction::kSlow) k.push_back("factor");
   if (a == FaultAction::kDelay) k.push_back("delay_ms");
@@ -79,6 +80,11 @@ std::vector<FaultPoint> points_of(FaultAction a) {
     case FaultAction::kCorrupt: return {FaultPoint::kBeforeSend, FaultPoint::kAfterRecv, FaultPoint::kHeartbeat};
     default: return {std::begin(kPoints), std::end(kPoints)};
   }
+}
+
+std::string lower(std::string s) {
+  for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return s;
 }
 
 // Where a spec is being read, for messages: `fault "slow,factr=3"`.
@@ -125,7 +131,7 @@ void set_key(FaultSpec& s, const Where& w, const std::string& key, const json& v
   const std::vector<std::string> keys = keys_of(s.action);
   const std::string action = fault_action_name(s.action);
   if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
-    static const std::vector<std::string> all = {"point", "after", "step", "after_s", "p", "count",
+    static const std::vector<std::string> all = {"point", "on", "after", "step", "after_s", "p", "count",
                                                  "duration_s", "factor", "delay_ms"};
     std::string msg = std::find(all.begin(), all.end(), key) == all.end() ? "unknown key \"" + key + "\""
                                                                           : "key \"" + key + "\" does not apply to " + action;
@@ -139,6 +145,12 @@ void set_key(FaultSpec& s, const Where& w, const std::string& key, const json& v
       w.fail("point=" + (v.is_string() ? v.get<std::string>() : v.dump()) + " is not a point for " + action + "; " +
              action + " takes point=" + join(names));
     s.point = *p;
+  } else if (key == "on") {
+    const std::string name = v.is_string() ? v.get<std::string>() : v.dump();
+    s.on = 0;
+    for (int t = 1; t <= 1000 && !s.on; ++t)
+      if (wire::known_type(t) && name == lower(wire::msg_type_name(static_cast<wire::MsgType>(t)))) s.on = t;
+    if (!s.on) w.fail("on=" + name + " is not a message type; give one in lower case, e.g. on=forward, on=round_begin, on=step");
   } else if (key == "after") {
     s.after = whole_of(w, key, v);
   } else if (key == "step") {
@@ -160,7 +172,7 @@ void set_key(FaultSpec& s, const Where& w, const std::string& key, const json& v
 
 // A text value as JSON: point stays a string, every other key must be a number.
 json text_value(const Where& w, const std::string& key, const std::string& text) {
-  if (key == "point") return text;
+  if (key == "point" || key == "on") return text;
   char* end = nullptr;
   const double d = std::strtod(text.c_str(), &end);
   if (text.empty() || end != text.c_str() + text.size())
@@ -259,7 +271,7 @@ FaultSpec FaultSpec::defaults(FaultAction action) {
 }
 
 bool FaultSpec::operator==(const FaultSpec& o) const {
-  return action == o.action && point == o.point && after == o.after && step == o.step && after_s == o.after_s &&
+  return action == o.action && point == o.point && on == o.on && after == o.after && step == o.step && after_s == o.after_s &&
          p == o.p && count == o.count && duration_s == o.duration_s && factor == o.factor && delay_ms == o.delay_ms;
 }
 
@@ -303,6 +315,7 @@ std::string to_string(const FaultSpec& s) {
   std::string out = fault_action_name(s.action);
   auto add = [&](const std::string& k, const std::string& v) { out += "," + k + "=" + v; };
   if (s.point != default_point(s.action)) add("point", fault_point_name(s.point));
+  if (s.on) add("on", lower(wire::msg_type_name(static_cast<wire::MsgType>(s.on))));
   if (s.after) add("after", std::to_string(s.after));
   if (s.step) add("step", std::to_string(s.step));
   if (s.after_s != 0) add("after_s", num(s.after_s));
@@ -318,6 +331,7 @@ std::string to_string(const FaultSpec& s) {
 json to_json(const FaultSpec& s) {
   json j{{"action", fault_action_name(s.action)}, {"point", fault_point_name(s.point)}, {"after", s.after},
          {"step", s.step}, {"after_s", s.after_s}, {"p", s.p}, {"count", s.count}};
+  if (s.on) j["on"] = lower(wire::msg_type_name(static_cast<wire::MsgType>(s.on)));
   if (s.action == FaultAction::kFreeze || s.action == FaultAction::kZombie || s.action == FaultAction::kPartition)
     j["duration_s"] = s.duration_s;
   if (s.action == FaultAction::kSlow) j["factor"] = s.factor;
@@ -404,6 +418,7 @@ bool FaultInjector::applies(const Armed& a, FaultPoint point, const FaultContext
 
 bool FaultInjector::eligible(const Armed& a, const FaultContext& ctx, double now) const {
   const FaultSpec& s = a.spec;
+  if (s.on && ctx.msg_type != s.on) return false;
   if (s.after && ctx.requests < a.requests_at + s.after) return false;
   if (s.step && ctx.step < s.step) return false;
   if (s.after_s > 0 && now - a.armed_at < s.after_s) return false;

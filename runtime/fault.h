@@ -53,6 +53,7 @@ const char* fault_action_name(FaultAction a);
 struct FaultSpec {
   FaultAction action = FaultAction::kCrash;
   FaultPoint point = FaultPoint::kBeforeCompute;
+  int on = 0;               // only at messages of this wire::MsgType ("on=round_begin"); 0: any
   uint64_t after = 0;       // requests received since the fault was armed, at least (0: no condition)
   uint64_t step = 0;        // the peer's optimizer steps taken, at least (0: no condition)
   double after_s = 0;       // seconds since the fault was armed, at least (0: no condition)

@@ -691,6 +691,15 @@ std::string random_id() {
   return s;
 }
 
+// What HELLO says about the device: a name and its memory [bytes], null when unknown. On CPU,
+// "cpu" and the host's RAM. For CUDA, libtorch 1.13 and 2.x share no header-only query of the
+// device's name or memory (both need the CUDA headers), so the device string and null.
+std::pair<std::string, json> device_info(const std::string& device) {
+  if (device.rfind("cuda", 0) == 0) return {device, nullptr};
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return {"cpu", pages > 0 && page > 0 ? json(int64_t(pages) * int64_t(page)) : json(nullptr)};
+}
+
 }  // namespace
 
 int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
@@ -740,11 +749,13 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   auto answer = [&](Message& m) {
     for (auto& f : faults.outgoing(wire::encode(m))) send_frames(f);
   };
+  const std::pair<std::string, json> device = device_info(opt.device);
   auto hello = [&](zmq::socket_t& s) {
     if (faults.partitioned()) return;  // cut off: nothing goes out
     Message h(MsgType::kHello, 0, 0,
               json{{"role", "stage"}, {"version", wire::kVersion}, {"name", name}, {"device", opt.device},
-                   {"stage", opt.stage}, {"emulate", opt.emulate}, {"profile", opt.profile},
+                   {"device_name", device.first}, {"device_memory_bytes", device.second},
+                   {"stage", opt.stage}, {"prefer_stage", opt.prefer_stage}, {"emulate", opt.emulate}, {"profile", opt.profile},
                    {"threads", opt.threads}, {"pid", int(getpid())}, {"echo", opt.echo}});
     wire::send(s, h);
   };

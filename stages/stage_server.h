@@ -18,7 +18,8 @@ namespace swarm {
 
 struct StageOptions {
   std::string router = "tcp://127.0.0.1:5555";
-  int stage = -1;              // stage asked for; -1 lets the router choose
+  int stage = -1;              // stage asked for (pinned: never moved); -1 lets the router choose
+  int prefer_stage = -1;       // stage to start on when `stage` is -1; the rebalancer may move it
   std::string device = "cpu";  // "cpu", "cuda" or "cuda:N" (CUDA-enabled libtorch only)
   int threads = 0;             // torch intra-op threads; 0 keeps libtorch's default
   double emulate = 1.0;        // pad compute time to act as a device this many times slower

@@ -5,17 +5,22 @@
 // pipeline: the same job in one process (the reference trainer) and through swarms of one
 //   and of four stages, one peer each.
 // codec: compression/bench_codec.h.
+// hetero: an unbalanced emulated mix of fast and slow peers under static routing, swarm
+//   routing and swarm routing with the rebalancer, against the best assignment's throughput.
 #include "tools/bench.h"
 
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
+#include <functional>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <thread>
 
 #include "compression/bench_codec.h"
+#include "runtime/chaos_plan.h"
 #include "runtime/client.h"
 #include "runtime/data.h"
 #include "runtime/job_spec.h"
@@ -263,6 +268,304 @@ int bench_diloco(bool as_json) {
   return 0;
 }
 
+// `swarm bench hetero`: the bundled example on 2 "a100-like" peers (--emulate 2) and 6
+// "t4-like" ones (--emulate 8), 4:1, started unbalanced: both a100-like on stage 0, the t4-like
+// 2/2/2 on stages 1-3, none pinned (--prefer-stage). The factors pad real compute, so the 8
+// processes need under 2 cores even when balanced: on this 2-core machine a CPU-bound swarm
+// could not get faster by moving peers. One swarm serves one job per run, each cancelled after
+// its window: static routing, swarm routing, swarm routing with the rebalancer, and static once
+// more (a new job starts every peer on its preferred stage again), so that the load of a shared
+// machine drifting during the bench shows as two different static figures.
+constexpr double kHeteroWarmupS = 5, kHeteroWindowS = 15, kHeteroSettleLimitS = 120;
+constexpr double kHeteroPeriodS = 3, kHeteroCooldownS = 5;
+constexpr int kHeteroPeers = 8;
+
+// One run: samples/s over a steady window, after a warm-up and, when rebalancing, after the
+// moves settle (no move for a cooldown plus two check periods, every peer ready, the last check
+// found nothing worth moving; or kHeteroSettleLimitS passed: "settled": false). The router's
+// model figures (min stage, ideal) are averaged over the window's polls: each is a snapshot of
+// noisy per-peer EMAs.
+json run_hetero(Client& c, const char* name, const std::string& mode, bool rebalance, bool as_json) {
+  json j = example_job();
+  j["steps"] = 100000;  // cancelled once the window is measured
+  j["schedule"] = "async";
+  j["max_inflight"] = 16;
+  j["diloco"]["inner_steps"] = 100000;  // no round (a barrier) inside the window
+  j["eval"] = {{"every_steps", 0}, {"batches", 1}};
+  j["routing"] = {{"mode", mode}, {"rebalance", rebalance}, {"rebalance_period_s", kHeteroPeriodS},
+                  {"cooldown_s", kHeteroCooldownS}, {"min_gain", 0.1}};
+  const JobSpec spec = parse_job_spec(j, true);
+  const int B = spec.batch.microbatch_size;
+  const uint64_t job = c.request_body(wire::MsgType::kSubmit, json{{"spec", to_json(spec)}}).at("job_id").get<uint64_t>();
+
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  auto now_s = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  json st, at_start;
+  double ready_s = -1, last_move_s = -1, start_s = -1;
+  size_t moves_seen = 0;
+  bool settled = !rebalance;
+  double ideal_sum = 0, model_min_sum = 0;  // the router's model, averaged over the window's polls
+  int model_polls = 0;
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    st = c.request_body(wire::MsgType::kStatus, json{{"job_id", job}});
+    const std::string state = st.value("state", std::string());
+    if (state != "queued" && state != "loading" && state != "running")
+      throw std::runtime_error(std::string(name) + " run ended early: " + state + " " + st.value("reason", std::string()));
+    const double t = now_s();
+    if (t > 300) throw std::runtime_error(std::string(name) + " run did not reach a steady window in 300 s");
+    if (state != "running") continue;
+    int ready = 0;
+    for (const auto& n : st["peers_per_stage"]) ready += n.get<int>();
+    if (ready_s < 0 && ready == kHeteroPeers) ready_s = t;
+    if (ready_s < 0) continue;
+    const json& r = st["routing"];
+    if (r["moves"].size() > moves_seen) {
+      moves_seen = r["moves"].size();
+      last_move_s = t;
+    }
+    if (start_s < 0) {
+      const double quiet = last_move_s < 0 ? t - ready_s : t - last_move_s;
+      const bool done_moving = r.value("rebalance", std::string()).rfind("no move", 0) == 0 && quiet >= kHeteroCooldownS + 2 * kHeteroPeriodS;
+      if (!settled && ready == kHeteroPeers && done_moving) settled = true;
+      if (t - ready_s >= kHeteroWarmupS && ready == kHeteroPeers && (settled || t - ready_s > kHeteroSettleLimitS)) {
+        start_s = t;
+        at_start = st;
+      }
+      continue;
+    }
+    ideal_sum += r.value("ideal_samples_per_s", 0.0);
+    model_min_sum += r.value("min_stage_samples_per_s", 0.0);
+    model_polls++;
+    if (t - start_s >= kHeteroWindowS) break;
+  }
+  const json peers = c.request_body(wire::MsgType::kPeers, json::object())["peers"];
+  c.request_body(wire::MsgType::kCancel, json{{"job_id", job}});
+  auto delta = [&](const char* group, const char* key) { return st[group][key].get<double>() - at_start[group][key].get<double>(); };
+  const double window_s = st["elapsed_s"].get<double>() - at_start["elapsed_s"].get<double>();
+  const double samples_per_s = delta("microbatches", "completed") * B / window_s;
+  const double recomputed = delta("backward", "recomputed"), cached = delta("backward", "cached");
+  json placement = json::object();
+  for (const auto& p : peers) placement[p["name"].get<std::string>()] = p["stage"];
+  const json& r = st["routing"];
+  json out{{"mode", mode}, {"rebalance", rebalance}, {"samples_per_s", samples_per_s}, {"window_s", window_s},
+           {"moves", r["moves"].size()}, {"moves_in_window", r["moves"].size() - at_start["routing"]["moves"].size()},
+           {"settled", settled}, {"backward_recomputed_fraction", cached + recomputed > 0 ? recomputed / (cached + recomputed) : 0.0},
+           {"model_min_stage_samples_per_s", model_min_sum / model_polls}, {"model_stage_samples_per_s_at_end", r["stage_samples_per_s"]},
+           {"ideal_samples_per_s", ideal_sum / model_polls},
+           {"peers_per_stage", st["peers_per_stage"]}, {"placement", placement}, {"move_log", r["moves"]}};
+  char text[400];
+  std::snprintf(text, sizeof(text),
+                "%-11s %6.1f samples/s over %.0f s; %zu move(s)%s; backwards recomputed %.0f%%; router's model: min stage %.1f, ideal %.1f samples/s; peers per stage %s",
+                name, samples_per_s, window_s, r["moves"].size(), rebalance && !settled ? " (not settled)" : "",
+                100 * out["backward_recomputed_fraction"].get<double>(), model_min_sum / model_polls, ideal_sum / model_polls,
+                st["peers_per_stage"].dump().c_str());
+  json line{{"bench", "hetero"}, {"case", name}};
+  line.update(out);
+  line.erase("move_log");
+  emit(as_json, line, text);
+  return out;
+}
+
+// One scenario: the 8 peers started on the stages `t4_stages` gives for the t4-like ones (the
+// a100-like both on stage 0), then static, swarm, swarm with rebalancing and static again.
+json hetero_scenario(const std::string& name, const std::vector<int>& t4_stages, bool as_json) {
+  LocalSwarm swarm(temp_dir("hetero"));
+  swarm.start_router();
+  for (int i = 0; i < 2; ++i) swarm.start_stage(-1, "a100-like-" + std::to_string(i), 1, {"--prefer-stage", "0", "--emulate", "2"});
+  for (size_t i = 0; i < t4_stages.size(); ++i)
+    swarm.start_stage(-1, "t4-like-" + std::to_string(i), 1, {"--prefer-stage", std::to_string(t4_stages[i]), "--emulate", "8"});
+  Client c(swarm.router_endpoint());
+  for (int i = 0; i < 600 && c.request_body(wire::MsgType::kPeers, json::object())["peers"].size() < size_t(kHeteroPeers); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  emit(as_json, json{{"bench", "hetero"}, {"scenario", name}, {"t4_like_stages", t4_stages}}, "scenario " + name);
+  const json st1 = run_hetero(c, "static", "static", false, as_json);
+  const json unbalanced = run_hetero(c, "unbalanced", "swarm", false, as_json);
+  const json rebalanced = run_hetero(c, "rebalanced", "swarm", true, as_json);
+  const json st2 = run_hetero(c, "static", "static", false, as_json);
+  swarm.stop_all();
+  const double ideal = rebalanced["ideal_samples_per_s"].get<double>();
+  const double v_st = (st1["samples_per_s"].get<double>() + st2["samples_per_s"].get<double>()) / 2;
+  const double v_un = unbalanced["samples_per_s"].get<double>(), v_re = rebalanced["samples_per_s"].get<double>();
+  return json{{"rebalanced_vs_ideal", ideal > 0 ? v_re / ideal : 0.0}, {"rebalanced_vs_static", v_re / v_st},
+              {"rebalanced_vs_unbalanced", v_re / v_un}, {"static_samples_per_s", v_st},
+              {"static_runs_samples_per_s", {st1["samples_per_s"], st2["samples_per_s"]}}, {"unbalanced_samples_per_s", v_un},
+              {"rebalanced_samples_per_s", v_re}, {"ideal_samples_per_s", ideal}, {"moves", rebalanced["moves"]},
+              {"settled", rebalanced["settled"]},
+              {"runs", {{"static", st1}, {"unbalanced", unbalanced}, {"rebalanced", rebalanced}, {"static_again", st2}}}};
+}
+
+// Two starts, both with the a100-like pair on stage 0: "even" (t4-like 2/2/2 on stages 1-3:
+// every stage has 2 peers, static's best case: its 2 full pipelines run at 2 t4s' pace, 2/3 of
+// the ideal, so the rebalanced swarm can beat it by 1.5x at most) and "uneven" (one t4-like
+// joins stage 0, stage 1 keeps one: static has 1 full pipeline and idles the rest).
+int bench_hetero(bool as_json) {
+  const char* note = "2 a100-like (--emulate 2) + 6 t4-like (--emulate 8) peers, 4:1, on 4 stages of the bundled example; "
+                     "started with both a100-like on stage 0 (--prefer-stage, not pinned); the factors pad real compute so that "
+                     "the 8 processes need under 2 cores";
+  emit(as_json, json{{"bench", "hetero"}, {"note", note}}, note);
+  const json even = hetero_scenario("even", {1, 1, 2, 2, 3, 3}, as_json);
+  const json uneven = hetero_scenario("uneven", {0, 1, 2, 2, 3, 3}, as_json);
+  json summary{{"bench", "hetero"},
+               {"note", note},
+               {"figures", {{"rebalanced_vs_ideal", {{"value", even["rebalanced_vs_ideal"]}, {"target", ">= 0.85"}}},
+                            {"rebalanced_vs_static", {{"value", even["rebalanced_vs_static"]}, {"target", ">= 1.5 (at most 1.5 from this start)"}}},
+                            {"rebalanced_vs_unbalanced", {{"value", even["rebalanced_vs_unbalanced"]}, {"target", "report"}}},
+                            {"uneven_rebalanced_vs_ideal", {{"value", uneven["rebalanced_vs_ideal"]}, {"target", ">= 0.85"}}},
+                            {"uneven_rebalanced_vs_static", {{"value", uneven["rebalanced_vs_static"]}, {"target", ">= 1.5"}}}}},
+               {"raw", {{"even", even}, {"uneven", uneven}}}};
+  std::cout << (as_json ? summary.dump() : summary.dump(2)) << std::endl;
+  return 0;
+}
+
+// One run of the bundled example on 4 stages x 2 peers, polled every 50 ms: the completed
+// microbatches over time, and what `during` does to the swarm.
+struct Trace {
+  std::vector<std::pair<double, double>> completed;  // (seconds since the job started, microbatches)
+  json status;
+};
+
+Trace traced_run(const JobSpec& spec, const char* what, const std::function<void(LocalSwarm&, Client&, double)>& during,
+                 const ChaosPlan* plan = nullptr) {
+  LocalSwarm swarm(temp_dir(what));
+  swarm.start_router();
+  for (int s = 0; s < spec.partition.stages; ++s)
+    for (int i = 0; i < 2; ++i) swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), 1);
+  Client c(swarm.router_endpoint());
+  for (int i = 0; i < 200 && c.request_body(wire::MsgType::kPeers, json::object())["peers"].size() < size_t(2 * spec.partition.stages); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const uint64_t id = c.request_body(wire::MsgType::kSubmit, json{{"spec", to_json(spec)}}).at("job_id").get<uint64_t>();
+  Trace tr;
+  auto t0 = std::chrono::steady_clock::now();
+  bool running = false;
+  for (;;) {
+    json st = c.request_body(wire::MsgType::kStatus, json{{"job_id", id}});
+    const std::string state = st.value("state", std::string());
+    if (!running && state == "running") {
+      running = true;
+      t0 = std::chrono::steady_clock::now();
+      if (plan) swarm.run_chaos(*plan);
+    }
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (running) {
+      tr.completed.emplace_back(t, st["microbatches"].value("completed", 0.0));
+      if (during) during(swarm, c, t);
+    }
+    if (state == "done" || state == "failed" || state == "cancelled") {
+      tr.status = st;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  swarm.stop_all();
+  if (tr.status.value("state", std::string()) != "done") throw std::runtime_error(std::string(what) + " run failed: " + tr.status.value("reason", std::string()));
+  return tr;
+}
+
+// Microbatches per second over [a, b) from a trace.
+double rate(const Trace& tr, double a, double b) {
+  double ca = -1, cb = -1, ta = 0, tb = 0;
+  for (const auto& [t, c] : tr.completed) {
+    if (t >= a && ca < 0) ca = c, ta = t;
+    if (t < b) cb = c, tb = t;
+  }
+  return (ca >= 0 && tb > ta) ? (cb - ca) / (tb - ta) : 0.0;
+}
+
+// Tokens per second of the training (from the job's start to its last microbatch).
+double run_tokens_per_s(const Trace& tr, const JobSpec& spec) {
+  const double mbs = tr.completed.back().second;
+  double end = tr.completed.back().first;
+  for (const auto& [t, c] : tr.completed)
+    if (c >= mbs) { end = t; break; }
+  return end > 0 ? mbs * spec.batch.microbatch_size * spec.model.seq_len / end : 0.0;
+}
+
+// The bundled example with 2 peers per stage, three times: without faults; with one SIGKILL
+// 10 s in (seconds until the router declares the peer gone, seconds until throughput is back
+// to 90% of what the 7 survivors deliver, measured over the 4 s after that); and under the
+// chaos plan examples/chaos/kill_every_15s.json (a random peer killed every 15 s, started again
+// 5 s later), whose tokens/s is compared with the run without faults.
+int bench_faults(bool as_json) {
+  JobSpec spec = parse_job_spec(example_job(), true);
+  Trace base = traced_run(spec, "faults-base", nullptr);
+  const double base_tps = run_tokens_per_s(base, spec);
+  emit(as_json, json{{"bench", "faults"}, {"case", "no_faults"}, {"tokens_per_s", base_tps}, {"val_loss", base.status["val_loss"]}},
+       "no faults: " + std::to_string(base_tps) + " tokens/s");
+
+  // Seconds from a signal to `name` until the router's registry (polled every 10 ms) no
+  // longer lists it.
+  auto time_to_gone = [](LocalSwarm& sw, Client& c, size_t index, const std::string& name, int sig) {
+    std::string id;
+    const json listed = c.request_body(wire::MsgType::kPeers, json::object());  // kept alive for the loop
+    for (const auto& p : listed["peers"])
+      if (p["name"] == name) id = p["id"];
+    if (id.empty()) return -1.0;  // not registered: nothing to time
+    sw.kill_stage(index, sig);
+    const auto k = std::chrono::steady_clock::now();
+    for (int i = 0; i < 1000; ++i) {
+      bool present = false;
+      const json now = c.request_body(wire::MsgType::kPeers, json::object());
+      for (const auto& p : now["peers"]) present |= p["id"] == id;
+      if (!present) return std::chrono::duration<double>(std::chrono::steady_clock::now() - k).count();
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1.0;
+  };
+  double kill_at = -1, detect_s = -1, stop_detect_s = -1, stopped_at = -1;
+  Trace once = traced_run(spec, "faults-kill", [&](LocalSwarm& sw, Client& c, double t) {
+    if (kill_at < 0 && t >= 10) {
+      // stage2-1: a middle stage, so the pipeline on both sides of it must reroute. Its TCP
+      // connection closes with the process: the router's next send to it fails.
+      kill_at = t;
+      detect_s = time_to_gone(sw, c, 5, "stage2-1", SIGKILL);
+    } else if (stopped_at < 0 && t >= 22) {
+      // stage1-1 frozen (SIGSTOP): the connection stays open, only missed heartbeats tell.
+      stopped_at = t;
+      stop_detect_s = time_to_gone(sw, c, 3, "stage1-1", SIGSTOP);
+      sw.kill_stage(3, SIGCONT);  // it thaws, finds the router silent, and joins again
+    }
+  });
+  // What the survivors deliver: the rate once things settled; recovery: the first 1 s window
+  // after the kill at 90% of it.
+  const double survivors = rate(once, kill_at + 5, kill_at + 9), before = rate(once, kill_at - 5, kill_at);
+  double recover_s = -1;
+  for (const auto& [t, c] : once.completed) {
+    if (t < kill_at) continue;
+    if (rate(once, t, t + 1) >= 0.9 * survivors) {
+      recover_s = t + 1 - kill_at;  // the window's end: when the rate is back
+      break;
+    }
+  }
+  emit(as_json, json{{"bench", "faults"}, {"case", "kill_once"}, {"detect_s", detect_s}, {"recover_s", recover_s},
+                     {"detect_stopped_s", stop_detect_s}, {"mb_per_s_before", before}, {"mb_per_s_survivors", survivors},
+                     {"lost", once.status["microbatches"]["lost"]}},
+       "one SIGKILL: detected in " + std::to_string(detect_s) + " s, throughput back to 90% in " + std::to_string(recover_s) +
+           " s; a SIGSTOPped peer detected in " + std::to_string(stop_detect_s) + " s");
+
+  const ChaosPlan plan = load_chaos_plan(std::string(SWARM_SOURCE_DIR) + "/examples/chaos/kill_every_15s.json");
+  Trace chaos = traced_run(spec, "faults-chaos", nullptr, &plan);
+  const double chaos_tps = run_tokens_per_s(chaos, spec);
+  const json& mb = chaos.status["microbatches"];
+  emit(as_json, json{{"bench", "faults"}, {"case", "chaos"}, {"tokens_per_s", chaos_tps}, {"microbatches", mb},
+                     {"val_loss", chaos.status["val_loss"]}},
+       "kill a random peer every 15 s, restart 5 s later: " + std::to_string(chaos_tps) + " tokens/s");
+  const uint64_t lost = once.status["microbatches"].value("lost", uint64_t(0)) + mb.value("lost", uint64_t(0));
+  json summary{{"bench", "faults"},
+               {"figures", {{"detect_s", {{"value", detect_s}, {"target", "< 2"}}},
+                            {"recover_s", {{"value", recover_s}, {"target", "< 3"}}},
+                            {"detect_stopped_s", {{"value", stop_detect_s}, {"target", "report (heartbeats: 1.5 s window)"}}},
+                            {"chaos_ratio", {{"value", chaos_tps / base_tps}, {"target", ">= 0.75"}}},
+                            {"lost", {{"value", lost}, {"target", "0"}}}}},
+               {"raw", {{"no_faults_tokens_per_s", base_tps}, {"chaos_tokens_per_s", chaos_tps},
+                        {"chaos_microbatches", mb}, {"kill_at_s", kill_at}, {"mb_per_s_before_kill", before},
+                        {"mb_per_s_survivors", survivors}, {"val_loss_no_faults", base.status["val_loss"]},
+                        {"val_loss_chaos", chaos.status["val_loss"]}}}};
+  std::cout << (as_json ? summary.dump() : summary.dump(2)) << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int run_bench(const std::string& name, bool as_json) {
@@ -275,7 +578,9 @@ int run_bench(const std::string& name, bool as_json) {
   if (name == "pipeline") return bench_pipeline(as_json);
   if (name == "compression") return bench_compression(as_json);
   if (name == "diloco") return bench_diloco(as_json);
-  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco" << std::endl;
+  if (name == "faults") return bench_faults(as_json);
+  if (name == "hetero") return bench_hetero(as_json);
+  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero" << std::endl;
   return 2;
 }
 

@@ -38,7 +38,9 @@ int main(int argc, char** argv) {
   std::string emulate;
   CLI::App app{"swarm-stage: serves one stage of the model for a swarm-router"};
   app.add_option("--router", opt.router, "router endpoint, tcp://HOST:PORT")->required();
-  app.add_option("--stage", opt.stage, "stage to serve (default: the router chooses)");
+  app.add_option("--stage", opt.stage, "stage to serve, pinned: the router never moves it (default: the router chooses)");
+  app.add_option("--prefer-stage", opt.prefer_stage,
+                 "stage to start on without pinning it: the router's rebalancer may move it (ignored with --stage)");
   app.add_option("--device", opt.device, "cpu, cuda or cuda:N")->capture_default_str();
   app.add_option("--threads", opt.threads, "compute threads (0: libtorch's default)")->capture_default_str();
   app.add_option("--emulate", emulate,

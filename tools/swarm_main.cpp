@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
 
   std::string bench_name;
   auto* bench = app.add_subcommand("bench", "measure one thing against a reference in the same run (docs/benchmarks.md)");
-  bench->add_option("name", bench_name, "codec | compression | transport | pipeline")->required();
+  bench->add_option("name", bench_name, "codec | compression | transport | pipeline | diloco | faults | hetero")->required();
   bench->add_flag("--json", as_json, "JSON lines, the last one the summary");
 
   auto* ref = app.add_subcommand("reference", "train the job in one process (the oracle the swarm is checked against)");
@@ -214,11 +214,14 @@ int main(int argc, char** argv) {
       if (as_json) {
         std::cout << rep.dump() << std::endl;
       } else {
-        std::printf("%-16s %-20s %-6s %-8s %-8s %-10s %s\n", "ID", "NAME", "STAGE", "STATE", "DEVICE", "MS/UNIT", "EMULATED");
+        std::printf("%-16s %-20s %-6s %-8s %-8s %-7s %-10s %s\n", "ID", "NAME", "STAGE", "STATE", "DEVICE", "MEMORY", "MS/UNIT", "EMULATED");
         for (const auto& p : rep["peers"]) {
-          std::printf("%-16s %-20s %-6d %-8s %-8s %-10.2f %s\n", p["id"].get<std::string>().c_str(), p["name"].get<std::string>().c_str(),
-                      p["stage"].get<int>(), p["state"].get<std::string>().c_str(), p["device"].get<std::string>().c_str(),
-                      p["ms_per_unit"].get<double>(),
+          const json mem = p.value("device_memory_bytes", json(nullptr));
+          char mem_text[32] = "-";
+          if (mem.is_number()) std::snprintf(mem_text, sizeof(mem_text), "%.1fG", mem.get<double>() / double(1 << 30));
+          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-10.2f %s\n", p["id"].get<std::string>().c_str(), p["name"].get<std::string>().c_str(),
+                      p["stage"].get<int>(), p["state"].get<std::string>().c_str(), p.value("device_name", p["device"].get<std::string>()).c_str(),
+                      mem_text, p["ms_per_unit"].get<double>(),
                       p["emulate"].get<double>() > 1 ? (p["profile"].get<std::string>().empty() ? (std::to_string(p["emulate"].get<double>()) + "x").c_str() : p["profile"].get<std::string>().c_str()) : "-");
         }
       }

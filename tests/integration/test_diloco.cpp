@@ -114,3 +114,46 @@ TEST(Diloco, StreamingSyncsEveryFragmentOncePerHSteps) {
   EXPECT_EQ(st["hash_mismatches"], 0);
   EXPECT_LT(st["val_loss"].get<double>(), st["unigram_loss"].get<double>());
 }
+
+// A peer dies in the middle of a round (on receiving ROUND_BEGIN) and a new one joins its
+// stage: the round goes on without it, the newcomer copies theta_g and the momentum from a
+// donor, and at the end every peer of every group holds byte-equal state.
+TEST(Diloco, PeerKilledMidRoundAndANewOneJoiningLeaveTheGroupsEqual) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  // Long enough for the newcomer to start, load and take part in later rounds.
+  json spec = tiny_job(data, 2, 300, "async");
+  spec["diloco"] = {{"inner_steps", 5}};  // the defaults: outer lr 0.7, momentum 0.9, Nesterov
+  LocalSwarm swarm(dir, kBuild);
+  swarm.start_router();
+  swarm.start_stage(0, "s0-0", 1);
+  swarm.start_stage(0, "s0-1", 1);
+  swarm.start_stage(1, "s1-0", 1);
+  swarm.start_stage(1, "s1-1", 1, {"--fault", "crash,on=round_begin,after=10"});
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, 4);
+  const uint64_t id = submit(c, spec);
+  bool joined = false;
+  json st;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    st = c.request_body(wire::MsgType::kStatus, json{{"job_id", id}});
+    bool victim_listed = false;
+    const json listed = c.request_body(wire::MsgType::kPeers, json::object());
+    for (const auto& p : listed["peers"]) victim_listed |= p["name"] == "s1-1";
+    if (!joined && !victim_listed) {
+      swarm.start_stage(1, "s1-new", 1);
+      joined = true;
+    }
+    const std::string state = st["state"];
+    if (state == "done" || state == "failed") break;
+    ASSERT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 120) << st.dump();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(joined) << "the peer did not crash at a round";
+  ASSERT_EQ(st["state"], "done") << st.dump();
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  expect_groups_agree(st, 2);
+  EXPECT_TRUE(st["state_hashes"][1].contains("s1-new")) << st["state_hashes"].dump();
+  EXPECT_FALSE(st["state_hashes"][1].contains("s1-1")) << st["state_hashes"].dump();
+}

@@ -139,7 +139,7 @@ TEST(FaultSpec, BadTextSaysWhatIsAllowed) {
   e = error_of("crash,factor=3");
   EXPECT_NE(e.find("fault \"crash,factor=3\""), std::string::npos) << e;
   EXPECT_NE(e.find("\"factor\" does not apply to crash"), std::string::npos) << e;
-  EXPECT_NE(e.find("crash takes: point, after, step, after_s, p, count"), std::string::npos) << e;
+  EXPECT_NE(e.find("crash takes: point, on, after, step, after_s, p, count"), std::string::npos) << e;
 
   e = error_of("slow,factr=3");
   EXPECT_NE(e.find("unknown key \"factr\""), std::string::npos) << e;
@@ -373,4 +373,19 @@ TEST(FaultFrames, CorruptionIsAlwaysCaughtByTheReceiver) {
       EXPECT_THROW(wire::decode(frames), WireError) << body.dump();
     }
   }
+}
+
+TEST(FaultSpec, OnlyAtOneMessageType) {
+  const FaultSpec s = parse_fault("crash,on=round_begin,after=5");
+  EXPECT_EQ(s.on, int(wire::MsgType::kRoundBegin));
+  EXPECT_EQ(parse_fault(to_string(s)), s);
+  EXPECT_EQ(parse_fault_json(to_json(s)), s);
+  FaultInjector inj(3);
+  inj.add(s);
+  FaultContext ctx;
+  ctx.requests = 10;
+  ctx.msg_type = int(wire::MsgType::kForward);
+  EXPECT_TRUE(inj.check(FaultPoint::kBeforeCompute, ctx).empty());
+  ctx.msg_type = int(wire::MsgType::kRoundBegin);
+  EXPECT_EQ(inj.check(FaultPoint::kBeforeCompute, ctx).size(), 1u);
 }
