@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "runtime/errors.h"
+#include "runtime/text.h"
 
 namespace swarm {
 
@@ -165,14 +166,7 @@ ChaosPlan parse_chaos_plan(const json& j) {
 }
 
 ChaosPlan load_chaos_plan(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw InputError("chaos plan " + path + ": cannot read the file (" + std::strerror(errno) + ")");
-  json j;
-  try {
-    j = json::parse(f);
-  } catch (const json::exception& e) {
-    throw InputError("chaos plan " + path + ": not valid JSON: " + e.what());
-  }
+  const json j = read_json_file("chaos plan", path);
   try {
     return parse_chaos_plan(j);
   } catch (const InputError& e) {

@@ -18,6 +18,7 @@
 #include <msgpack.hpp>
 
 #include "runtime/errors.h"
+#include "runtime/text.h"
 #include "runtime/limits.h"
 #include "runtime/log.h"
 #include "runtime/wire.h"
@@ -36,18 +37,7 @@ constexpr FaultPoint kPoints[] = {FaultPoint::kBeforeSend, FaultPoint::kAfterRec
                                   FaultPoint::kAfterCompute, FaultPoint::kHeartbeat};
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Shortest text that still round-trips ("0.05", not "0.050000000000000003").
-std::string num(double v) {
-  std::string out;
-  for (int prec = 6; prec <= 17; ++prec) {
-    std::ostringstream t;
-    t.precision(prec);
-    t << v;
-    out = t.str();
-    if (std::strtod(out.c_str(), nullptr) == v) break;
-  }
-  return out;
-}
+std::string num(double v) { return shortest_number(v); }
 
 std::string join(const std::vector<std::string>& v) {
   std::string s;
@@ -357,14 +347,7 @@ FaultPlan parse_fault_plan(const json& j) {
 }
 
 FaultPlan load_fault_plan(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw InputError("fault plan " + path + ": cannot read the file (" + std::strerror(errno) + ")");
-  json j;
-  try {
-    j = json::parse(f);
-  } catch (const json::exception& e) {
-    throw InputError("fault plan " + path + ": not valid JSON: " + e.what());
-  }
+  const json j = read_json_file("fault plan", path);
   try {
     return parse_fault_plan(j);
   } catch (const InputError& e) {

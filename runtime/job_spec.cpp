@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "runtime/errors.h"
+#include "runtime/text.h"
 #include "runtime/limits.h"
 
 namespace swarm {
@@ -34,18 +35,7 @@ std::string join_path(const std::string& parent, const std::string& key) {
   return parent.empty() ? key : parent + "." + key;
 }
 
-// Shortest form that still round-trips, for messages ("0.001", not "0.0010000000000000000208").
-std::string num(double v) {
-  std::string out;
-  for (int p = 6; p <= 17; ++p) {
-    std::ostringstream t;
-    t.precision(p);
-    t << v;
-    out = t.str();
-    if (std::strtod(out.c_str(), nullptr) == v) break;
-  }
-  return out;
-}
+std::string num(double v) { return shortest_number(v); }
 
 // Long user strings are cut in messages so one error stays one readable line.
 std::string clip(const std::string& s) { return s.size() <= 80 ? s : s.substr(0, 77) + "..."; }

@@ -1,0 +1,18 @@
+// text.h: small helpers the parsers of user input share: numbers in messages, and JSON files
+// read with errors that name the file.
+#pragma once
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace swarm {
+
+// The shortest text that reads back as exactly `v` ("0.001", not "0.0010000000000000000208").
+std::string shortest_number(double v);
+
+// Parses the JSON file at `path`; throws InputError "WHAT PATH: cannot read the file (...)" or
+// "WHAT PATH: not valid JSON: ...".
+nlohmann::json read_json_file(const std::string& what, const std::string& path);
+
+}  // namespace swarm
