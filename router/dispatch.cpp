@@ -17,12 +17,12 @@ int choose_peer(const std::vector<Candidate>& peers, double units, double affini
     if (!c.excluded && c.ms_per_unit > 0 && (min_per == 0 || c.ms_per_unit < min_per)) min_per = c.ms_per_unit;
   if (min_per == 0) min_per = 1.0;
   // A backward away from the peer holding the forward's graph recomputes that forward: the
-  // extra work is taken from the stage's capacity, so it is charged twice against such a peer
-  // (once as its own time, once as throughput lost), and the graph's holder wins unless
-  // another peer is clearly quicker.
+  // extra work is taken from the stage's capacity (and the holder's cached graph is wasted), so
+  // it is charged three times against such a peer, and the graph's holder wins unless another
+  // peer is clearly quicker.
   bool holder = false;
   for (const auto& c : peers) holder |= c.affinity && !c.excluded;
-  const double elsewhere = holder ? units + (units - affinity_units) : units;
+  const double elsewhere = holder ? units + 2 * (units - affinity_units) : units;
   int best = -1;
   double best_ms = std::numeric_limits<double>::infinity();
   for (size_t i = 0; i < peers.size(); ++i) {
