@@ -289,7 +289,7 @@ json run_hetero(Client& c, const char* name, const std::string& mode, bool rebal
   json j = example_job();
   j["steps"] = 100000;  // cancelled once the window is measured
   j["schedule"] = "async";
-  j["max_inflight"] = 16;
+  j["max_inflight"] = 24;
   j["diloco"]["inner_steps"] = 100000;  // no round (a barrier) inside the window
   j["eval"] = {{"every_steps", 0}, {"batches", 1}};
   j["routing"] = {{"mode", mode}, {"rebalance", rebalance}, {"rebalance_period_s", kHeteroPeriodS},
