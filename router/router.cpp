@@ -1063,19 +1063,22 @@ struct Router::Impl {
     return t;
   }
 
-  // A flat fp32 parameter tensor of n values, decoded and all finite.
-  static bool flat_from(const wire::Tensor& t, int64_t n, std::vector<float>* out) {
-    if (t.desc.dtype != wire::DType::kF32 || t.desc.shape.size() != 1 || t.desc.numel() != n) return false;
-    out->resize(size_t(n));
+  // A float tensor of `shape`, decoded into `out` and all finite; else what is wrong with it.
+  static std::string decode_checked(const wire::Tensor& t, const std::vector<int64_t>& shape, std::vector<float>* out) {
+    if (t.desc.dtype != wire::DType::kF32 || t.desc.shape != shape) return "a tensor of the wrong dtype or shape";
+    out->resize(size_t(t.desc.numel()));
     try {
-      compression::decode(t.desc.codec, static_cast<const uint8_t*>(t.data.data()), t.data.size(), n, out->data());
-    } catch (const InputError&) {
-      return false;
+      compression::decode(t.desc.codec, static_cast<const uint8_t*>(t.data.data()), t.data.size(), t.desc.numel(), out->data());
+    } catch (const InputError& e) {
+      return std::string("an undecodable tensor: ") + e.what();
     }
     for (float f : *out)
-      if (!std::isfinite(f)) return false;
-    return true;
+      if (!std::isfinite(f)) return "non-finite values (NaN or Inf)";
+    return "";
   }
+
+  // A flat fp32 parameter tensor of n values, decoded and all finite.
+  static bool flat_from(const wire::Tensor& t, int64_t n, std::vector<float>* out) { return decode_checked(t, {n}, out).empty(); }
 
   void on_state_reply(Job& j, Peer& donor, const std::string& target, Message& m) {
     auto t = peers.find(target);
@@ -1526,17 +1529,8 @@ struct Router::Impl {
   // never reaches the next stage.
   std::vector<float> scratch;
   std::string check_activation(const Job& j, const wire::Tensor& t) {
-    const std::vector<int64_t> want{j.spec.batch.microbatch_size, j.spec.model.seq_len, j.spec.model.d_model};
-    if (t.desc.dtype != wire::DType::kF32 || t.desc.shape != want) return "answered a tensor of the wrong dtype or shape";
-    scratch.resize(size_t(t.desc.numel()));
-    try {
-      compression::decode(t.desc.codec, static_cast<const uint8_t*>(t.data.data()), t.data.size(), t.desc.numel(), scratch.data());
-    } catch (const InputError& e) {
-      return std::string("answered an undecodable tensor: ") + e.what();
-    }
-    for (float f : scratch)
-      if (!std::isfinite(f)) return "answered non-finite values (NaN or Inf)";
-    return "";
+    const std::string bad = decode_checked(t, {j.spec.batch.microbatch_size, j.spec.model.seq_len, j.spec.model.d_model}, &scratch);
+    return bad.empty() ? bad : "answered " + bad;
   }
 
   // A peer sent something corrupt, misshapen or non-finite. After opt.quarantine_after of those
@@ -1883,10 +1877,11 @@ struct Router::Impl {
 
   // Where the job is (microbatches taken), beside its checkpoints: after a crash, the
   // microbatches taken after the newest checkpoint are the ones done again.
-  void write_progress(Job& j, bool force = false) {
+  // At most every 20 ms: the count may be a few microbatches behind.
+  void write_progress(Job& j) {
     if (j.checkpoint_dir.empty()) return;
     const auto now = Clock::now();
-    if (!force && secs(now - j.last_progress) < 0.02) return;
+    if (secs(now - j.last_progress) < 0.02) return;
     j.last_progress = now;
     std::error_code ec;
     std::filesystem::create_directories(j.checkpoint_dir, ec);

@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "runtime/errors.h"
+#include "runtime/random.h"
 #include "runtime/text.h"
 
 namespace swarm {
@@ -18,24 +19,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& where, const std::string& msg) {
   throw InputError("chaos plan: " + where + ": " + msg);
-}
-
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
-  return s;
-}
-
-uint64_t mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// Streams keep the jitter draws apart from the peer choices.
-uint64_t draw(uint64_t seed, size_t index, uint64_t k, uint64_t stream) {
-  return mix(mix(mix(mix(seed) ^ index) ^ k) ^ stream);
 }
 
 double seconds_of(const std::string& where, const std::string& key, const json& v, double min) {
@@ -130,7 +113,7 @@ std::vector<std::string> ChaosPlan::stage_args(const std::string& peer) const {
   uint64_t h = 1469598103934665603ull;  // FNV-1a of the name: each peer draws its own sequence
   for (char c : peer) h = (h ^ uint8_t(c)) * 1099511628211ull;
   args.push_back("--fault-seed");
-  args.push_back(std::to_string(mix(seed ^ h) >> 1));
+  args.push_back(std::to_string(splitmix64(seed ^ h) >> 1));
   return args;
 }
 
@@ -177,12 +160,12 @@ ChaosPlan load_chaos_plan(const std::string& path) {
 double chaos_fire_time(const ChaosPlan& plan, size_t index, uint64_t k) {
   const ChaosEvent& e = plan.events.at(index);
   double t = e.periodic() ? (e.start_s >= 0 ? e.start_s : e.every_s) + double(k) * e.every_s : e.at_s;
-  if (e.jitter_s > 0) t += e.jitter_s * double(draw(plan.seed, index, k, 1) >> 11) * (1.0 / 9007199254740992.0);
+  if (e.jitter_s > 0) t += e.jitter_s * double(counter_draw(plan.seed, index, k, 1) >> 11) * (1.0 / 9007199254740992.0);
   return t;
 }
 
 size_t chaos_pick(uint64_t seed, size_t index, uint64_t k, size_t n) {
-  return n ? size_t(draw(seed, index, k, 2) % n) : 0;
+  return n ? size_t(counter_draw(seed, index, k, 2) % n) : 0;
 }
 
 }  // namespace swarm

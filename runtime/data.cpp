@@ -16,16 +16,10 @@
 #include <iterator>
 
 #include "runtime/errors.h"
+#include "runtime/random.h"
 
 namespace swarm {
 namespace {
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 std::string read_file(const std::string& path) {
   std::error_code ec;

@@ -18,6 +18,7 @@
 #include <msgpack.hpp>
 
 #include "runtime/errors.h"
+#include "runtime/random.h"
 #include "runtime/text.h"
 #include "runtime/limits.h"
 #include "runtime/log.h"
@@ -38,12 +39,6 @@ constexpr FaultPoint kPoints[] = {FaultPoint::kBeforeSend, FaultPoint::kAfterRec
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 std::string num(double v) { return shortest_number(v); }
-
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
-  return s;
-}
 
 std::string all_actions() {
   std::vector<std::string> v;
@@ -173,18 +168,6 @@ json text_value(const Where& w, const std::string& key, const std::string& text)
 std::string trim(const std::string& s) {
   const size_t a = s.find_first_not_of(" \t"), b = s.find_last_not_of(" \t");
   return a == std::string::npos ? "" : s.substr(a, b - a + 1);
-}
-
-// splitmix64: a counter-based generator, so a draw needs no state but its inputs.
-uint64_t mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-uint64_t draw(uint64_t seed, size_t index, uint64_t opportunity, uint64_t stream) {
-  return mix(mix(mix(mix(seed) ^ index) ^ opportunity) ^ stream);
 }
 
 double unit(uint64_t r) { return double(r >> 11) * (1.0 / 9007199254740992.0); }  // [0, 1)
@@ -425,7 +408,7 @@ std::vector<FaultHit> FaultInjector::check(FaultPoint point, const FaultContext&
     if (a.spec.point != point || (a.spec.count && a.fired >= a.spec.count)) continue;
     if (!applies(a, point, ctx) || !eligible(a, ctx, now)) continue;
     const uint64_t k = a.opportunities++;
-    if (a.spec.p < 1 && !(unit(draw(seed_, i, k, 0)) < a.spec.p)) continue;
+    if (a.spec.p < 1 && !(unit(counter_draw(seed_, i, k, 0)) < a.spec.p)) continue;
     a.fired++;
     FaultHit h;
     h.action = a.spec.action;
@@ -434,7 +417,7 @@ std::vector<FaultHit> FaultInjector::check(FaultPoint point, const FaultContext&
     h.duration_s = a.spec.duration_s;
     h.factor = a.spec.factor;
     h.delay_ms = a.spec.delay_ms;
-    h.random = draw(seed_, i, k, 1);
+    h.random = counter_draw(seed_, i, k, 1);
     start_state(a.spec, now);
     std::string where = std::string(" at ") + fault_point_name(point);
     if (ctx.msg_type) where += std::string(" (") + wire::msg_type_name(wire::MsgType(ctx.msg_type)) + ",";

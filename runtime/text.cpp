@@ -23,6 +23,12 @@ std::string shortest_number(double v) {
   return out;
 }
 
+std::string join(const std::vector<std::string>& items) {
+  std::string s;
+  for (size_t i = 0; i < items.size(); ++i) s += (i ? ", " : "") + items[i];
+  return s;
+}
+
 nlohmann::json read_json_file(const std::string& what, const std::string& path) {
   std::ifstream f(path);
   if (!f) throw InputError(what + " " + path + ": cannot read the file (" + std::strerror(errno) + ")");

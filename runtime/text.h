@@ -1,8 +1,9 @@
-// text.h: small helpers the parsers of user input share: numbers in messages, and JSON files
-// read with errors that name the file.
+// text.h: small helpers the parsers of user input share: numbers and lists in messages, and
+// JSON files read with errors that name the file.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -10,6 +11,9 @@ namespace swarm {
 
 // The shortest text that reads back as exactly `v` ("0.001", not "0.0010000000000000000208").
 std::string shortest_number(double v);
+
+// "a, b, c": the allowed values in a message.
+std::string join(const std::vector<std::string>& items);
 
 // Parses the JSON file at `path`; throws InputError "WHAT PATH: cannot read the file (...)" or
 // "WHAT PATH: not valid JSON: ...".

@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "runtime/errors.h"
+#include "runtime/random.h"
 
 namespace swarm {
 namespace {
@@ -23,13 +24,6 @@ enum BlockParam {
 
 constexpr double kInitStd = 0.02;
 constexpr double kLayerNormEps = 1e-5;  // torch.nn.LayerNorm's default, as nanoGPT
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 uint64_t fnv1a64(const std::string& s) {
   uint64_t h = 0xCBF29CE484222325ull;
