@@ -375,8 +375,13 @@ TEST(LocalChaos, PlanStopsResumesKillsAndRestartsRealPeers) {
     EXPECT_EQ(seen.size(), log.size());
   }
 
-  // b started with the plan's fault (and gets it again when restarted).
-  const std::string blog = slurp(dir + "/b.log");
+  // b started with the plan's fault (and gets it again when restarted). When b was the one
+  // killed, its log is the restarted process's, which may only just have started: wait a little.
+  std::string blog = slurp(dir + "/b.log");
+  for (int i = 0; i < 100 && blog.find("slow,factor=2") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    blog = slurp(dir + "/b.log");
+  }
   EXPECT_NE(blog.find("faults armed"), std::string::npos) << blog;
   EXPECT_NE(blog.find("slow,factor=2"), std::string::npos) << blog;
   EXPECT_EQ(slurp(dir + "/a.log").find("faults armed"), std::string::npos);
