@@ -133,6 +133,7 @@ struct Job {
   uint64_t total_mbs = 0;
   uint64_t barrier = 0;               // microbatch count at which the job loop stops to step/sync/evaluate
   uint64_t taken = 0, completed = 0, resent = 0, duplicates = 0, rejected = 0;
+  uint64_t resumed_at = 0;            // microbatches a checkpoint had completed: the wire counters start after them
   uint64_t integrity_failures = 0, timeouts = 0;
   json quarantined = json::array();   // {peer, stage, reason}
   std::map<uint64_t, Flight> inflight;   // by microbatch index (train) or 1<<62 | i (eval)
@@ -734,6 +735,9 @@ struct Router::Impl {
   }
 
   json job_status(const Job& j) {
+    // Bytes counted since this router took the job, over the samples trained since then.
+    const uint64_t trained = (j.completed - j.resumed_at) * uint64_t(j.spec.batch.microbatch_size);
+    auto per_sample = [&](uint64_t bytes) { return trained ? double(bytes) / double(trained) : 0.0; };
     json peers_per_stage = json::array();
     for (int s = 0; s < j.S; ++s) peers_per_stage.push_back(stage_peers(j, s).size());
     const double elapsed = secs((j.state == JobState::kDone || j.state == JobState::kFailed || j.state == JobState::kCancelled ? j.finished : Clock::now()) - j.run_started);
@@ -754,14 +758,13 @@ struct Router::Impl {
            {"fragment_syncs", j.fragment_syncs},
            {"state_hashes", j.state_hashes},
            {"routing", routing_status(j)},
-           {"sync_bytes_per_sample", j.completed ? double(j.bytes_outer) / double(j.completed * uint64_t(j.spec.batch.microbatch_size)) : 0.0},
+           {"sync_bytes_per_sample", per_sample(j.bytes_outer)},
            {"microbatches", {{"taken", j.taken}, {"completed", j.completed}, {"resent", j.resent},
                              {"duplicates", j.duplicates}, {"rejected", j.rejected},
                              {"lost", (j.state == JobState::kDone) ? j.taken - j.completed : 0}}},
            {"backward", {{"cached", j.backward_cached}, {"recomputed", j.backward_recomputed}}},
            {"wire_bytes", {{"activations", j.bytes_act}, {"gradients", j.bytes_grad}, {"outer", j.bytes_outer}}},
-           {"wire_bytes_per_sample", {{"activations", j.completed ? double(j.bytes_act) / double(j.completed * uint64_t(j.spec.batch.microbatch_size)) : 0.0},
-                                      {"gradients", j.completed ? double(j.bytes_grad) / double(j.completed * uint64_t(j.spec.batch.microbatch_size)) : 0.0}}},
+           {"wire_bytes_per_sample", {{"activations", per_sample(j.bytes_act)}, {"gradients", per_sample(j.bytes_grad)}}},
            {"codec_ms", {{"activations", {{"encode", j.codec_us[0] / 1000}, {"decode", j.codec_us[1] / 1000}}},
                          {"gradients", {{"encode", j.codec_us[2] / 1000}, {"decode", j.codec_us[3] / 1000}}}}},
            {"hash_mismatches", j.hash_mismatches},
@@ -1898,7 +1901,7 @@ struct Router::Impl {
   void apply_checkpoint(Job& j, const LoadedCheckpoint& lc) {
     const Checkpoint& ck = lc.ckpt;
     j.steps_done = ck.step;
-    j.taken = j.completed = ck.next_microbatch;
+    j.taken = j.completed = j.resumed_at = ck.next_microbatch;
     j.rounds = ck.rounds;
     j.last_round_step = ck.step;
     j.last_snapshot_step = j.last_checkpoint_step = ck.step;

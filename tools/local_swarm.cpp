@@ -199,6 +199,7 @@ json done_event(const json& st) {
               {"wire_bytes_per_sample", st.value("wire_bytes_per_sample", json::object())},
               {"codec_ms", st.value("codec_ms", json::object())},
               {"rounds", st.value("rounds", 0)},
+              {"sync_bytes_per_sample", st.value("sync_bytes_per_sample", 0.0)},
               {"history", st.value("history", json::array())}};
 }
 
