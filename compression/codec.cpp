@@ -50,8 +50,9 @@ constexpr int kInt4Chunk = 16384;
 const char* const kAccepted =
     "accepted: fp32, fp16, bf16, int8[:block=B][,scale=fp32|fp16], "
     "int4[:block=B][,scale=fp32|fp16], topk[:block=B][,fraction=F] with B an integer in "
-    "64..4096 (default 64; topk 1024) and 0 < F <= 1 (default 0.01); e.g. "
-    "\"int8:block=256,scale=fp16\", \"topk:block=1024,fraction=0.01\"";
+    "64..4096 (default 64; topk 1024) and 0 < F <= 1 (default 0.01), any of them with "
+    "entropy=zstd (the codes zstd-compressed on the wire); e.g. "
+    "\"int8:block=256,scale=fp16\", \"topk:block=1024,fraction=0.01\", \"int8:block=1024,entropy=zstd\"";
 
 [[noreturn]] void fail(const std::string& what) { throw CodecError(what); }
 
@@ -483,10 +484,16 @@ std::string format_double(double d) {
 
 bool CodecSpec::operator==(const CodecSpec& o) const {
   return codec == o.codec && block == o.block && fp16_scales == o.fp16_scales &&
-         fraction == o.fraction;
+         fraction == o.fraction && zstd == o.zstd;
 }
 
 std::string CodecSpec::name() const {
+  const std::string base = base_name();
+  if (!zstd) return base;
+  return base + (base.find(':') == std::string::npos ? ":" : ",") + "entropy=zstd";
+}
+
+std::string CodecSpec::base_name() const {
   switch (codec) {
     case Codec::kFp32: return "fp32";
     case Codec::kFp16: return "fp16";
@@ -551,9 +558,8 @@ CodecSpec parse_codec(const std::string& text) {
     s.fraction = kDefaultTopkFraction;
   }
   if (colon == std::string::npos) return s;
-  if (!quant && !topk) fail(bad + base + " takes no parameters; " + kAccepted);
 
-  bool seen_block = false, seen_scale = false, seen_fraction = false;
+  bool seen_block = false, seen_scale = false, seen_fraction = false, seen_entropy = false;
   size_t at = colon + 1;
   while (true) {
     const size_t comma = text.find(',', at);
@@ -562,7 +568,14 @@ CodecSpec parse_codec(const std::string& text) {
     if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())
       fail(bad + "parameter \"" + printable(item) + "\" is not key=value; " + kAccepted);
     const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
-    if (key == "block") {
+    if (key == "entropy") {
+      if (seen_entropy) fail(bad + "entropy given twice");
+      seen_entropy = true;
+      if (value == "zstd") s.zstd = true;
+      else if (value != "none") fail(bad + "entropy must be zstd or none, not \"" + printable(value) + "\"");
+    } else if (!quant && !topk) {
+      fail(bad + base + " takes no parameters but entropy; " + kAccepted);
+    } else if (key == "block") {
       if (seen_block) fail(bad + "block given twice");
       seen_block = true;
       int b = 0;

@@ -1029,8 +1029,8 @@ struct Router::Impl {
     if (donor && j.rounds > 0) {
       uint64_t id = next_req++;
       pending[id] = Pending{Pending::kStateRequest, j.id, 0, donor->route, p.route, 0};
-      // Under every_step the group is one optimizer: a joiner copies all of a donor's state.
-      Message m(MsgType::kStateRequest, id, 0, json{{"job_id", j.id}, {"full", j.spec.diloco.sync == "every_step"}});
+      // While the group steps together it is one optimizer: a joiner copies all of a donor's state.
+      Message m(MsgType::kStateRequest, id, 0, json{{"job_id", j.id}, {"full", dense_step(j, j.steps_done + 1)}});
       send_to(donor->route, m);
       return;
     }
@@ -1274,7 +1274,7 @@ struct Router::Impl {
   // All microbatches up to a barrier completed.
   void on_barrier(Job& j) {
     j.steps_done = int(j.completed / uint64_t(j.M));
-    if (j.spec.diloco.sync == "every_step") return start_round(j, "grad", 0);  // the group averages gradients, then steps
+    if (dense_step(j, j.steps_done)) return start_round(j, "grad", 0);  // the group sums gradients, then steps
     if (j.spec.schedule == "sync") {
       j.phase = Phase::kStepping;
       for (int s = 0; s < j.S; ++s)
@@ -1429,8 +1429,9 @@ struct Router::Impl {
     if (mb.kind == HopKind::kForwardLoss || (mb.kind == HopKind::kEval && last)) m.tensors.push_back(wire::share(mb.targets));
     if (mb.kind == HopKind::kBackward) m.tensors.push_back(wire::share(mb.grad));
     if (!mb.eval) {
-      if (mb.stage > 0) j.bytes_act += m.tensors[0].desc.nbytes;
-      if (mb.kind == HopKind::kBackward) j.bytes_grad += m.tensors.back().desc.nbytes;
+      for (auto& t : m.tensors) wire::compress(t);  // what the wire will carry (entropy=zstd)
+      if (mb.stage > 0) j.bytes_act += m.tensors[0].desc.wire_bytes();
+      if (mb.kind == HopKind::kBackward) j.bytes_grad += m.tensors.back().desc.wire_bytes();
     }
     if (!send_to(p.route, m)) return;  // peer gone: it is re-dispatched on the next tick
     mb.attempts++;
@@ -1583,11 +1584,17 @@ struct Router::Impl {
 
   // ---------------------------------------------------------------- rounds
 
+  // Whether the group sums gradients and takes one step together at job step `step` (1-based):
+  // always under sync "every_step", and during a "rounds" job's warm start.
+  static bool dense_step(const Job& j, int step) {
+    return j.spec.diloco.sync == "every_step" || step <= j.spec.diloco.warm_start_steps;
+  }
+
   // The fragment whose DiLoCo round is due now, or -1. Without streaming (one fragment) a
   // round comes every inner_steps steps and at the end; with F fragments, fragment f syncs
   // once every inner_steps steps, the F syncs spread evenly (diloco::fragment_due).
   int round_due(const Job& j) const {
-    if (j.spec.diloco.sync == "every_step" || j.round_open || j.last_round_step == j.steps_done) return -1;
+    if (dense_step(j, j.steps_done) || j.round_open || j.last_round_step == j.steps_done) return -1;
     const int H = j.spec.diloco.inner_steps, F = j.spec.diloco.fragments;
     if (F == 1) return (j.steps_done - j.last_round_step >= H || (j.completed >= j.total_mbs && j.steps_done > j.last_round_step)) ? 0 : -1;
     return diloco::fragment_due(j.steps_done, H, F);
@@ -1647,7 +1654,7 @@ struct Router::Impl {
       log_warn("router", "peer " + p.name + " sent a malformed, misshapen or non-finite outer gradient; left out of round " + std::to_string(j.rounds));
       return;
     }
-    j.bytes_outer += m.tensors[0].desc.nbytes;
+    j.bytes_outer += m.tensors[0].desc.wire_bytes();
     const double samples = double(m.body.value("samples", int64_t(0)));
     if (j.round_what == "grad") {
       // Gradient sums add up; the step divides by the group's samples.
@@ -1684,6 +1691,7 @@ struct Router::Impl {
           for (float& v : rs.sum) v *= inv;
         }
         wire::Tensor mean = outer_tensor(j, s, rs.sum);
+        wire::compress(mean);  // once for all the group (entropy=zstd)
         for (Peer* p : stage_peers(j, s)) {
           uint64_t id = next_req++;
           pending[id] = Pending{Pending::kRoundApply, j.id, uint64_t(s), p->route, "", 0};
@@ -1694,7 +1702,7 @@ struct Router::Impl {
           m.tensors.push_back(wire::share(mean));
           if (send_to(p->route, m)) {
             rs.waiting.insert(p->route);
-            j.bytes_outer += mean.desc.nbytes;
+            j.bytes_outer += mean.desc.wire_bytes();
           }
         }
         rs.sum.clear();
@@ -1753,7 +1761,7 @@ struct Router::Impl {
       if (d == peers.end() || d->second.state != PeerState::kReady) continue;
       uint64_t id = next_req++;
       pending[id] = Pending{Pending::kStateRequest, j.id, 0, r, p.route, 0};
-      Message m(MsgType::kStateRequest, id, 0, json{{"job_id", j.id}, {"full", j.spec.diloco.sync == "every_step"}});
+      Message m(MsgType::kStateRequest, id, 0, json{{"job_id", j.id}, {"full", dense_step(j, j.steps_done + 1)}});
       send_to(r, m);
       return;
     }
@@ -1789,7 +1797,7 @@ struct Router::Impl {
   bool snapshot_due(const Job& j) const {
     if (j.last_snapshot_step == j.steps_done) return false;
     int every = j.spec.checkpoint.snapshot_every_steps;
-    if (every == 0 && j.spec.diloco.sync == "every_step") every = j.spec.diloco.inner_steps;
+    if (every == 0 && dense_step(j, j.steps_done)) every = j.spec.diloco.inner_steps;
     if (every > 0) return j.steps_done - std::max(j.last_snapshot_step, 0) >= every;
     return j.rounds > j.snapshot_rounds;  // after every round: theta_g has just moved
   }

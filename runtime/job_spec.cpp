@@ -461,6 +461,11 @@ void fill_and_validate(JobSpec& s, bool check_files) {
                                                std::to_string(dl.inner_steps / dl.fragments) + "), got " +
                                                std::to_string(dl.overlap_steps) + ": a fragment's exchange must land before the next one starts");
   }
+  if (dl.warm_start_steps < 0) fail("diloco.warm_start_steps", "must be >= 0 (0: rounds from the first step), got " + std::to_string(dl.warm_start_steps));
+  if (dl.warm_start_steps > 0 && s.schedule != "sync") {
+    fail("diloco.warm_start_steps", "syncs every step during the warm start, which needs schedule \"sync\" "
+                                    "(a barrier at every step); set \"schedule\": \"sync\"");
+  }
   if (dl.sync == "every_step" && s.schedule != "sync") {
     fail("diloco.sync", "\"every_step\" averages gradients at every optimizer step, which needs schedule \"sync\" "
                         "(a barrier at every step); set \"schedule\": \"sync\"");
@@ -582,13 +587,14 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
     o.get("grad_clip", s.optimizer.grad_clip);
   }
   if (const json* v = top.sub("diloco")) {
-    Obj o(*v, "diloco", {"inner_steps", "outer_lr", "outer_momentum", "nesterov", "deadline_s", "sync", "streaming"});
+    Obj o(*v, "diloco", {"inner_steps", "outer_lr", "outer_momentum", "nesterov", "deadline_s", "sync", "warm_start_steps", "streaming"});
     o.get("inner_steps", s.diloco.inner_steps);
     o.get("outer_lr", s.diloco.outer_lr);
     o.get("outer_momentum", s.diloco.outer_momentum);
     o.get("nesterov", s.diloco.nesterov);
     o.get("deadline_s", s.diloco.deadline_s);
     o.get("sync", s.diloco.sync);
+    o.get("warm_start_steps", s.diloco.warm_start_steps);
     if (const json* st = o.sub("streaming")) {
       Obj so(*st, "diloco.streaming", {"fragments", "overlap_steps"});
       so.get("fragments", s.diloco.fragments);
@@ -684,6 +690,7 @@ json to_json(const JobSpec& s) {
                  {"nesterov", s.diloco.nesterov},
                  {"deadline_s", s.diloco.deadline_s},
                  {"sync", s.diloco.sync},
+                 {"warm_start_steps", s.diloco.warm_start_steps},
                  {"streaming", {{"fragments", s.diloco.fragments}, {"overlap_steps", s.diloco.overlap_steps}}}};
   j["compression"] = {{"activations", s.compression.activations},
                       {"gradients", s.compression.gradients},

@@ -65,6 +65,10 @@ struct DilocoSpec {
   // "rounds": DiLoCo (an outer step every inner_steps). "every_step": the data-parallel
   // reference, the group averages its gradients at every inner step and takes one AdamW step.
   std::string sync = "rounds";
+  // "rounds": the first warm_start_steps steps sync every step as "every_step" does, then the
+  // rounds begin from that one shared state (post-local SGD; the DiLoCo papers start from a
+  // pretrained model). Peers drift most early in training, when the loss moves fastest.
+  int warm_start_steps = 0;
   int fragments = 1;           // streaming: the parameters split in F fragments, one synced every H/F steps
   int overlap_steps = 0;       // streaming: inner steps a fragment's exchange overlaps before it is applied
 };

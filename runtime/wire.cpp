@@ -9,6 +9,7 @@
 
 #include <msgpack.hpp>
 #include <xxhash.h>
+#include <zstd.h>
 
 #include "runtime/limits.h"
 
@@ -133,17 +134,24 @@ TensorDesc parse_desc(const json& d, size_t index) {
   if (t.nbytes != expected)
     fail(WireErrc::kBadTensor, ctx + ": " + std::to_string(t.nbytes) + " bytes declared but codec " + codec +
                                    " with " + std::to_string(numel) + " elements needs " + std::to_string(expected));
+  if (t.dtype == DType::kF32 && t.codec.zstd) {
+    t.zbytes = get_u64(d, "zbytes", ctx.c_str());
+    if (t.zbytes == 0 || t.zbytes > ZSTD_compressBound(t.nbytes))
+      fail(WireErrc::kBadTensor, ctx + ": zstd frame of " + std::to_string(t.zbytes) + " bytes for a payload of " + std::to_string(t.nbytes));
+  }
   return t;
 }
 
 json desc_json(const TensorDesc& t) {
   json shape = json::array();
   for (int64_t v : t.shape) shape.push_back(uint64_t(v));
-  return json{{"dtype", dtype_name(t.dtype)},
+  json j{{"dtype", dtype_name(t.dtype)},
               {"shape", shape},
               {"codec", t.dtype == DType::kF32 ? t.codec.name() : std::string("raw")},
               {"nbytes", t.nbytes},
               {"xxh64", t.checksum}};
+  if (t.dtype == DType::kF32 && t.codec.zstd) j["zbytes"] = t.zbytes;
+  return j;
 }
 
 }  // namespace
@@ -218,9 +226,20 @@ Tensor make_tensor(DType dtype, std::vector<int64_t> shape, const compression::C
 
 void seal(Tensor& t) { t.desc.checksum = checksum(t.data.data(), t.data.size()); }
 
+void compress(Tensor& t) {
+  if (t.packed || t.desc.dtype != DType::kF32 || !t.desc.codec.zstd) return;
+  zmq::message_t z(ZSTD_compressBound(t.data.size()));
+  const size_t n = ZSTD_compress(z.data(), z.size(), t.data.data(), t.data.size(), /*level=*/1);
+  if (ZSTD_isError(n)) throw std::runtime_error(std::string("zstd: ") + ZSTD_getErrorName(n));
+  t.data = zmq::message_t(z.data(), n);
+  t.desc.zbytes = n;
+  t.packed = true;
+}
+
 Tensor share(Tensor& t) {
   Tensor c;
   c.desc = t.desc;
+  c.packed = t.packed;
   c.data.copy(t.data);
   return c;
 }
@@ -266,8 +285,16 @@ Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
     Tensor t;
     t.desc = parse_desc((*it)[i], i);
     zmq::message_t& f = frames[i + 2];
-    if (f.size() != t.desc.nbytes)
-      fail(WireErrc::kTruncated, "tensor " + std::to_string(i) + ": frame has " + std::to_string(f.size()) + " bytes, description says " + std::to_string(t.desc.nbytes));
+    if (f.size() != t.desc.wire_bytes())
+      fail(WireErrc::kTruncated, "tensor " + std::to_string(i) + ": frame has " + std::to_string(f.size()) + " bytes, description says " + std::to_string(t.desc.wire_bytes()));
+    if (t.desc.zbytes) {
+      zmq::message_t raw(t.desc.nbytes);
+      const size_t got = ZSTD_decompress(raw.data(), raw.size(), f.data(), f.size());
+      if (ZSTD_isError(got) || got != t.desc.nbytes)
+        fail(WireErrc::kBadTensor, "tensor " + std::to_string(i) + ": zstd frame does not unpack to the " + std::to_string(t.desc.nbytes) +
+                                       " bytes declared" + (ZSTD_isError(got) ? std::string(" (") + ZSTD_getErrorName(got) + ")" : ""));
+      f = std::move(raw);
+    }
     if (verify_checksums && checksum(f.data(), f.size()) != t.desc.checksum)
       fail(WireErrc::kChecksum, "tensor " + std::to_string(i) + ": checksum mismatch");
     t.data = std::move(f);
@@ -298,7 +325,10 @@ std::vector<zmq::message_t> encode(Message& m) {
     frames.push_back(pack(m.body));
   } else {
     json descs = json::array();
-    for (const auto& t : m.tensors) descs.push_back(desc_json(t.desc));
+    for (auto& t : m.tensors) {
+      compress(t);
+      descs.push_back(desc_json(t.desc));
+    }
     m.body["tensors"] = std::move(descs);
     frames.push_back(pack(m.body));
     m.body.erase("tensors");

@@ -74,14 +74,19 @@ struct TensorDesc {
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
   compression::CodecSpec codec;   // ignored for integer dtypes
-  uint64_t nbytes = 0;
+  uint64_t nbytes = 0;            // the codec's encoded bytes (encoded_bytes of the codec and shape)
   uint64_t checksum = 0;          // XXH3-64 of the payload bytes, seed 0
+  // Codec with entropy=zstd: the size of the zstd frame that carries the payload on the wire
+  // (set by compress, and by decode from what arrived). Otherwise 0.
+  uint64_t zbytes = 0;
   int64_t numel() const;
+  uint64_t wire_bytes() const { return zbytes ? zbytes : nbytes; }   // what the payload costs on the wire
 };
 
 struct Tensor {
   TensorDesc desc;
-  zmq::message_t data;            // exactly desc.nbytes bytes
+  zmq::message_t data;            // desc.nbytes bytes; the zstd frame of them (desc.zbytes bytes) when packed
+  bool packed = false;
 };
 
 struct Message {
@@ -107,6 +112,10 @@ Tensor make_tensor(DType dtype, std::vector<int64_t> shape, const compression::C
 void seal(Tensor& t);   // computes the checksum
 // A shared (zero-copy) copy of a tensor frame: the payload buffer is reference counted.
 Tensor share(Tensor& t);
+// Packs the payload into a zstd frame when the codec asks for it (entropy=zstd) and it is not
+// packed yet; `encode` does this for every tensor it sends. A tensor sent to several peers is
+// best compressed once, before it is shared. `decode` unpacks, so receivers see the codec's bytes.
+void compress(Tensor& t);
 
 // Frames -> Message. Validates magic, version, type, frame counts, sizes against limits,
 // every tensor description against its frame and codec, and checksums (when verify is true).

@@ -526,6 +526,7 @@ class Worker {
       if (samples > 0) optim_->step(samples);
       optim_->zero_grad();
       accum_samples_ = 0;
+      frag_samples_.clear();  // a warm start's steps are no round's samples
       stats_.steps++;
       theta_g_ = flatten();
     } else {

@@ -231,7 +231,7 @@ int bench_compression(bool as_json) {
 // stage group to agree: averaging gradients every step (the data-parallel reference), DiLoCo
 // rounds every 10 and every 50 steps, and streaming DiLoCo (H = 50, 4 fragments, one synced
 // every 12-13 steps and overlapped with the next inner step, int8 outer gradients with error
-// feedback). Figures: validation loss and sync bytes (outer gradients up and means down) per
+// feedback, the int8 codes zstd-packed on the wire). Figures: validation loss and sync bytes (outer gradients up and means down) per
 // training sample. Two protocols, each case on a fresh swarm:
 // - "warm": the DiLoCo papers' protocol. The every_step run trains 2 x steps with a checkpoint
 //   at `steps`; every DiLoCo case continues from that checkpoint (same weights, AdamW state,
@@ -242,7 +242,7 @@ int bench_diloco(bool as_json) {
   const Case cases[] = {{"every_step", "every_step", 10, 1, 0, "fp32"},
                         {"diloco_h10", "rounds", 10, 1, 0, "fp32"},
                         {"diloco_h50", "rounds", 50, 1, 0, "fp32"},
-                        {"streaming_h50_f4_int8", "rounds", 50, 4, 1, "int8:block=1024,scale=fp16"}};
+                        {"streaming_h50_f4_int8", "rounds", 50, 4, 1, "int8:block=1024,scale=fp16,entropy=zstd"}};
   auto job = [](const Case& cs, int steps) {
     json j = example_job();
     j["steps"] = steps;

@@ -8,6 +8,7 @@ packages=(
   libtorch-dev libopenblas0-pthread    # libtorch; without OpenBLAS it falls back to reference BLAS (~3x slower)
   libzmq3-dev cppzmq-dev               # transport
   libmsgpack-cxx-dev nlohmann-json3-dev libxxhash-dev
+  libzstd-dev                          # entropy=zstd: lossless packing of codec output on the wire
   libcli11-dev libgtest-dev
   fortunes                             # the bundled example's training text
   python3-torch                        # tests/python/check_export.py: `swarm export` read back by PyTorch

@@ -108,7 +108,8 @@ TEST(ParseCodec, CanonicalNamesRoundTrip) {
   for (const char* t : {"fp32", "fp16", "bf16", "int8:block=64", "int8:block=256,scale=fp16",
                         "int4:block=64", "int4:block=4096,scale=fp16", "int8:block=100",
                         "topk:block=1024,fraction=0.01", "topk:block=64,fraction=1",
-                        "topk:block=4096,fraction=1e-05", "topk:block=333,fraction=0.123456789"}) {
+                        "topk:block=4096,fraction=1e-05", "topk:block=333,fraction=0.123456789",
+                        "fp32:entropy=zstd", "int8:block=1024,scale=fp16,entropy=zstd"}) {
     const CodecSpec s = parse_codec(t);
     EXPECT_EQ(s.name(), t);
     EXPECT_EQ(parse_codec(s.name()), s);
@@ -122,6 +123,12 @@ TEST(ParseCodec, DefaultsAndAliases) {
   EXPECT_EQ(parse_codec("int8:scale=fp16,block=128").name(), "int8:block=128,scale=fp16");
   EXPECT_EQ(parse_codec("topk").name(), "topk:block=1024,fraction=0.01");
   EXPECT_EQ(parse_codec("topk:fraction=0.5").name(), "topk:block=1024,fraction=0.5");
+  EXPECT_EQ(parse_codec("int8:entropy=none").name(), "int8:block=64");
+  EXPECT_EQ(parse_codec("int8:entropy=zstd,block=128").name(), "int8:block=128,entropy=zstd");
+  EXPECT_TRUE(parse_codec("int4:entropy=zstd").zstd);
+  EXPECT_FALSE(parse_codec("int4:entropy=zstd") == parse_codec("int4"));
+  // Same codes either way: zstd is the wire's business.
+  EXPECT_EQ(encoded_bytes(parse_codec("int8:entropy=zstd"), 1000), encoded_bytes(parse_codec("int8"), 1000));
   const CodecSpec s = parse_codec("int8:block=256,scale=fp16");
   EXPECT_EQ(s.codec, Codec::kInt8);
   EXPECT_EQ(s.block, 256);

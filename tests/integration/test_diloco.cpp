@@ -115,6 +115,38 @@ TEST(Diloco, StreamingSyncsEveryFragmentOncePerHSteps) {
   EXPECT_LT(st["val_loss"].get<double>(), st["unigram_loss"].get<double>());
 }
 
+// diloco.warm_start_steps: the first steps sync every step exactly as sync "every_step" does
+// (same weights at the switch), then DiLoCo rounds come every inner_steps steps.
+TEST(Diloco, WarmStartSyncsEveryStepThenRounds) {
+  const std::string data = write_text(temp_dir());
+  json spec = tiny_job(data, 2, 24, "sync");
+  spec["eval"] = {{"every_steps", 8}, {"batches", 4}};
+  json dense = spec, warm = spec;
+  dense["diloco"] = {{"sync", "every_step"}, {"inner_steps", 8}};
+  warm["diloco"] = {{"inner_steps", 8}, {"warm_start_steps", 8}};
+  const std::vector<std::pair<int, std::vector<std::string>>> peers{{0, {}}, {0, {}}, {1, {}}, {1, {}}};
+  const json a = run_job(temp_dir(), dense, peers);
+  const json b = run_job(temp_dir(), warm, peers);
+  ASSERT_EQ(a["state"], "done") << a.dump();
+  ASSERT_EQ(b["state"], "done") << b.dump();
+  // 8 gradient syncs, then rounds at steps 16 and 24.
+  EXPECT_EQ(b["rounds"], 10) << b.dump();
+  EXPECT_EQ(b["fragment_syncs"], json::array({2})) << b.dump();
+  std::vector<int> round_steps;
+  for (const auto& h : b["history"])
+    if (h.contains("fragment")) round_steps.push_back(h["step"].get<int>());
+  EXPECT_EQ(round_steps, (std::vector<int>{16, 24}));
+  auto val_at = [](const json& st, int step) {
+    for (const auto& h : st["history"])
+      if (h.value("step", -1) == step && h.contains("val_loss")) return h["val_loss"].get<double>();
+    return -1.0;
+  };
+  ASSERT_GT(val_at(a, 8), 0) << a.dump();
+  EXPECT_NEAR(val_at(b, 8), val_at(a, 8), 1e-4) << "the warm start is the every_step job";
+  expect_groups_agree(b, 2);
+  EXPECT_LT(b["val_loss"].get<double>(), b["unigram_loss"].get<double>());
+}
+
 // A peer dies in the middle of a round (on receiving ROUND_BEGIN) and a new one joins its
 // stage: the round goes on without it, the newcomer copies theta_g and the momentum from a
 // donor, and at the end every peer of every group holds byte-equal state.

@@ -75,6 +75,46 @@ TEST(Wire, Bf16TensorSizeMustMatchCodec) {
   EXPECT_EQ(code_of(f2), WireErrc::kBadTensor);
 }
 
+// entropy=zstd: the frame on the wire is the zstd-packed payload; the receiver gets the codec's
+// bytes back exactly, and a frame that does not unpack to the declared size is rejected.
+TEST(Wire, ZstdPackedPayloadRoundTripsAndIsSmaller) {
+  const auto codec = compression::parse_codec("int8:block=1024,entropy=zstd");
+  const int64_t n = 1 << 14;
+  std::vector<float> v(static_cast<size_t>(n));
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  for (float& x : v) x = normal(rng);
+  const size_t nbytes = compression::encoded_bytes(codec, n);
+  Tensor t = make_tensor(DType::kF32, {n}, codec, nbytes);
+  compression::encode(codec, v.data(), n, static_cast<uint8_t*>(t.data.data()));
+  seal(t);
+  std::vector<uint8_t> codes(static_cast<uint8_t*>(t.data.data()), static_cast<uint8_t*>(t.data.data()) + nbytes);
+  Message m(MsgType::kRoundDelta, 5);
+  m.tensors.push_back(share(t));
+  auto frames = frames_of(std::move(m));
+  ASSERT_EQ(frames.size(), 3u);
+  EXPECT_LT(frames[2].size(), nbytes * 95 / 100) << "int8 codes of Gaussian data should pack below 0.95";
+  Message d = decode(frames);
+  ASSERT_EQ(d.tensors.size(), 1u);
+  EXPECT_EQ(d.tensors[0].desc.nbytes, nbytes);
+  EXPECT_EQ(d.tensors[0].desc.zbytes, d.tensors[0].desc.wire_bytes());
+  EXPECT_LT(d.tensors[0].desc.wire_bytes(), nbytes);
+  ASSERT_EQ(d.tensors[0].data.size(), nbytes);
+  EXPECT_EQ(std::memcmp(d.tensors[0].data.data(), codes.data(), nbytes), 0);
+
+  // A received tensor forwarded on is packed again.
+  auto again = frames_of([&] { Message f(MsgType::kForward, 6); f.tensors.push_back(share(d.tensors[0])); return f; }());
+  EXPECT_NO_THROW(decode(again));
+
+  // Damaged zstd frame: rejected as a bad tensor, never a crash.
+  Message m2(MsgType::kRoundDelta, 7);
+  m2.tensors.push_back(share(t));
+  auto bad = frames_of(std::move(m2));
+  std::vector<uint8_t> junk(bad[2].size(), 0x5a);
+  bad[2] = zmq::message_t(junk.data(), junk.size());
+  EXPECT_EQ(code_of(bad), WireErrc::kBadTensor);
+}
+
 TEST(Wire, SharedTensorIsZeroCopy) {
   Tensor t = f32_tensor(std::vector<float>(1 << 16, 1.f), {1 << 16});
   Tensor c = share(t);
