@@ -99,7 +99,7 @@ TEST(Diloco, StreamingSyncsEveryFragmentOncePerHSteps) {
   const std::string data = write_text(dir);
   json spec = tiny_job(data, 2, 32, "sync");
   spec["diloco"] = {{"inner_steps", 8}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}, {"streaming", {{"fragments", 4}, {"overlap_steps", 1}}}};
-  spec["compression"] = {{"outer", "int8"}};
+  spec["compression"] = {{"outer", "int8:entropy=zstd"}};  // packed on the wire both ways
   const json st = run_job(dir, spec, {{0, {}}, {0, {}}, {1, {}}, {1, {}}});
   ASSERT_EQ(st["state"], "done") << st.dump();
   EXPECT_EQ(st["fragment_syncs"], json::array({4, 4, 4, 4})) << st.dump();

@@ -101,6 +101,8 @@ TEST(Durability, TruncatedCheckpointIsSkippedForThePreviousOne) {
   json st = follow(c, submit(c, spec), 120);
   ASSERT_EQ(st["state"], "done") << st.dump();
   ASSERT_EQ(st["checkpoints"]["written"], 3) << st.dump();
+  const double act_per_sample = st["wire_bytes_per_sample"]["activations"].get<double>();
+  ASSERT_GT(act_per_sample, 0);
 
   // Cut the newest checkpoint's stage file in half.
   const fs::path newest = dir + "/ckpt/step-00000030/stage-1.bin";
@@ -116,6 +118,8 @@ TEST(Durability, TruncatedCheckpointIsSkippedForThePreviousOne) {
   EXPECT_NE(st["resumed"]["skipped"][0].get<std::string>().find("step-00000030"), std::string::npos);
   EXPECT_EQ(st["step"], 40);
   EXPECT_EQ(st["microbatches"]["lost"], 0);
+  // Per-sample wire figures cover the samples this run trained (steps 20-40), not the checkpoint's.
+  EXPECT_DOUBLE_EQ(st["wire_bytes_per_sample"]["activations"].get<double>(), act_per_sample) << st.dump();
 
   // A checkpoint from another model is refused with a message that says so.
   spec["model"]["d_model"] = 64;

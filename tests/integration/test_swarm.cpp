@@ -116,6 +116,38 @@ TEST(Swarm, SyncScheduleMatchesSingleProcess) {
   }
 }
 
+// Compressed hops end to end, with and without zstd packing: packing is lossless (same losses)
+// and the activations and gradients cost fewer bytes on the wire than their int8 codes.
+TEST(Swarm, Int8HopsPackedWithZstdTrainTheSameOnFewerBytes) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  LocalSwarm swarm(dir, kBuild);
+  swarm.start_router();
+  swarm.start_stage(0, "s0", 1);
+  swarm.start_stage(1, "s1", 1);
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, 2);
+  auto train = [&](const std::string& codec) {
+    json spec = tiny_job(data, 2, 20, "sync");
+    spec["compression"] = {{"activations", codec}, {"gradients", codec}};
+    FollowOptions fo;
+    fo.quiet = true;
+    fo.timeout_s = 120;
+    return follow_job(c, submit(c, spec), fo);
+  };
+  const json plain = train("int8:block=256");
+  const json packed = train("int8:block=256,entropy=zstd");
+  ASSERT_EQ(plain["state"], "done") << plain.dump();
+  ASSERT_EQ(packed["state"], "done") << packed.dump();
+  EXPECT_NEAR(packed["val_loss"].get<double>(), plain["val_loss"].get<double>(), 1e-4 * plain["val_loss"].get<double>());
+  EXPECT_LT(packed["val_loss"].get<double>(), packed["unigram_loss"].get<double>());
+  for (const char* dir_name : {"activations", "gradients"}) {
+    const double a = plain["wire_bytes_per_sample"][dir_name].get<double>(), b = packed["wire_bytes_per_sample"][dir_name].get<double>();
+    EXPECT_GT(a, 0) << dir_name;
+    EXPECT_LT(b, a) << dir_name << ": zstd should pack int8 codes";
+  }
+}
+
 TEST(Swarm, BadJobSpecIsRefusedWithAClearMessage) {
   const std::string dir = temp_dir();
   const std::string data = write_text(dir);
