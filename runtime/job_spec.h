@@ -66,7 +66,7 @@ struct DilocoSpec {
   // reference, the group averages its gradients at every inner step and takes one AdamW step.
   std::string sync = "rounds";
   // "rounds": the first warm_start_steps steps sync every step as "every_step" does, then the
-  // rounds begin from that one shared state (post-local SGD; the DiLoCo papers start from a
+  // rounds begin from that one shared state (post-local SGD; the DiLoCo paper starts from a
   // pretrained model). Peers drift most early in training, when the loss moves fastest.
   int warm_start_steps = 0;
   int fragments = 1;           // streaming: the parameters split in F fragments, one synced every H/F steps

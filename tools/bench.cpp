@@ -233,7 +233,7 @@ int bench_compression(bool as_json) {
 // every 12-13 steps and overlapped with the next inner step, int8 outer gradients with error
 // feedback, the int8 codes zstd-packed on the wire). Figures: validation loss and sync bytes (outer gradients up and means down) per
 // training sample. Two protocols, each case on a fresh swarm:
-// - "warm": the DiLoCo papers' protocol. The every_step run trains 2 x steps with a checkpoint
+// - "warm": the DiLoCo paper's protocol. The every_step run trains 2 x steps with a checkpoint
 //   at `steps`; every DiLoCo case continues from that checkpoint (same weights, AdamW state,
 //   data position and lr schedule) to 2 x steps. The targets apply here.
 // - "scratch": every case trains `steps` from random initialisation. Reported.
