@@ -76,6 +76,15 @@ inline void wait_for_peers(Client& c, size_t n) {
   FAIL() << "peers did not register";
 }
 
+// The router (with `router_args`) and one one-thread peer per stage, "s0", "s1", ..., all
+// registered when it returns.
+inline void start_pipeline(LocalSwarm& swarm, int stages, const std::vector<std::string>& router_args = {}) {
+  swarm.start_router(router_args);
+  for (int s = 0; s < stages; ++s) swarm.start_stage(s, "s" + std::to_string(s), 1);
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, size_t(stages));
+}
+
 inline bool alive(pid_t pid) { return pid > 0 && kill(pid, 0) == 0; }
 
 // Runs a command; returns (exit code, stdout+stderr).

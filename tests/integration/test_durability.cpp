@@ -52,11 +52,8 @@ TEST(Durability, KilledRouterContinuesFromItsStateDir) {
   std::vector<pid_t> pids;
   {
     LocalSwarm swarm(dir, kBuild);
-    swarm.start_router({"--state-dir", dir + "/state"});
-    swarm.start_stage(0, "s0", 1);
-    swarm.start_stage(1, "s1", 1);
+    start_pipeline(swarm, 2, {"--state-dir", dir + "/state"});
     Client c(swarm.router_endpoint());
-    wait_for_peers(c, 2);
     const uint64_t id = submit(c, spec);
     json before = poll_until(c, id, 120, [](const json& st) { return st["step"].get<int>() >= 25; });
     ASSERT_EQ(before["state"], "running") << before.dump();
@@ -93,11 +90,8 @@ TEST(Durability, TruncatedCheckpointIsSkippedForThePreviousOne) {
   json spec = tiny_job(data, 2, 30, "sync");
   spec["checkpoint"] = {{"dir", dir + "/ckpt"}, {"every_steps", 10}, {"keep", 3}};
   LocalSwarm swarm(dir, kBuild);
-  swarm.start_router();
-  swarm.start_stage(0, "s0", 1);
-  swarm.start_stage(1, "s1", 1);
+  start_pipeline(swarm, 2);
   Client c(swarm.router_endpoint());
-  wait_for_peers(c, 2);
   json st = follow(c, submit(c, spec), 120);
   ASSERT_EQ(st["state"], "done") << st.dump();
   ASSERT_EQ(st["checkpoints"]["written"], 3) << st.dump();
@@ -151,7 +145,7 @@ TEST(Durability, StageWhosePeersAllDiedRestartsFromItsSnapshot) {
     swarm.kill_stage(3, SIGKILL);
     json paused = poll_until(c, id, 30, [](const json& st) { return st["peers_per_stage"][1] == 0 && !st["reason"].get<std::string>().empty(); });
     EXPECT_NE(paused["reason"].get<std::string>().find("stage(s) 1"), std::string::npos) << paused.dump();
-    const size_t fresh = swarm.start_stage(1, "s1-new", 1);
+    swarm.start_stage(1, "s1-new", 1);
     json st = follow(c, id, 180);
     ASSERT_EQ(st["state"], "done") << st.dump();
     EXPECT_EQ(st["microbatches"]["lost"], 0);
@@ -168,7 +162,6 @@ TEST(Durability, StageWhosePeersAllDiedRestartsFromItsSnapshot) {
     for (size_t i = 30; i < losses.size(); ++i) worst_after = std::max(worst_after, losses[i]);
     EXPECT_LT(worst_after, losses[0] - 1.0) << json(losses).dump();
     EXPECT_LT(st["val_loss"].get<double>(), st["unigram_loss"].get<double>());
-    (void)fresh;
     for (auto& s : swarm.stages()) pids.push_back(s.pid);
   }
   for (pid_t p : pids) EXPECT_FALSE(alive(p)) << "process " << p << " left behind";
@@ -180,11 +173,8 @@ TEST(Durability, ExportedModelGivesTheSwarmsValidationLossInPyTorch) {
   json spec = tiny_job(data, 2, 20, "sync");
   spec["checkpoint"] = {{"dir", dir + "/ckpt"}};
   LocalSwarm swarm(dir, kBuild);
-  swarm.start_router();
-  swarm.start_stage(0, "s0", 1);
-  swarm.start_stage(1, "s1", 1);
+  start_pipeline(swarm, 2);
   Client c(swarm.router_endpoint());
-  wait_for_peers(c, 2);
   json st = follow(c, submit(c, spec), 120);
   ASSERT_EQ(st["state"], "done") << st.dump();
 

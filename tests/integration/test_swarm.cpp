@@ -95,11 +95,8 @@ TEST(Swarm, SyncScheduleMatchesSingleProcess) {
   ASSERT_TRUE(ref.contains("losses")) << out;
 
   LocalSwarm swarm(dir, kBuild);
-  swarm.start_router();
-  swarm.start_stage(0, "s0", 1);
-  swarm.start_stage(1, "s1", 1);
+  start_pipeline(swarm, 2);
   Client c(swarm.router_endpoint());
-  wait_for_peers(c, 2);
   const uint64_t id = submit(c, spec);
   FollowOptions fo;
   fo.quiet = true;
@@ -122,11 +119,8 @@ TEST(Swarm, Int8HopsPackedWithZstdTrainTheSameOnFewerBytes) {
   const std::string dir = temp_dir();
   const std::string data = write_text(dir);
   LocalSwarm swarm(dir, kBuild);
-  swarm.start_router();
-  swarm.start_stage(0, "s0", 1);
-  swarm.start_stage(1, "s1", 1);
+  start_pipeline(swarm, 2);
   Client c(swarm.router_endpoint());
-  wait_for_peers(c, 2);
   auto train = [&](const std::string& codec) {
     json spec = tiny_job(data, 2, 20, "sync");
     spec["compression"] = {{"activations", codec}, {"gradients", codec}};
