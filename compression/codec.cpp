@@ -488,24 +488,21 @@ bool CodecSpec::operator==(const CodecSpec& o) const {
 }
 
 std::string CodecSpec::name() const {
-  const std::string base = base_name();
-  if (!zstd) return base;
-  return base + (base.find(':') == std::string::npos ? ":" : ",") + "entropy=zstd";
-}
-
-std::string CodecSpec::base_name() const {
+  std::string text;
   switch (codec) {
-    case Codec::kFp32: return "fp32";
-    case Codec::kFp16: return "fp16";
-    case Codec::kBf16: return "bf16";
+    case Codec::kFp32: text = "fp32"; break;
+    case Codec::kFp16: text = "fp16"; break;
+    case Codec::kBf16: text = "bf16"; break;
     case Codec::kInt8:
     case Codec::kInt4:
-      return std::string(codec == Codec::kInt8 ? "int8" : "int4") + ":block=" +
-             std::to_string(block) + (fp16_scales ? ",scale=fp16" : "");
-    case Codec::kTopk:
-      return "topk:block=" + std::to_string(block) + ",fraction=" + format_double(fraction);
+      text = std::string(codec == Codec::kInt8 ? "int8" : "int4") + ":block=" + std::to_string(block) +
+             (fp16_scales ? ",scale=fp16" : "");
+      break;
+    case Codec::kTopk: text = "topk:block=" + std::to_string(block) + ",fraction=" + format_double(fraction); break;
   }
-  return "codec(" + std::to_string(int(codec)) + ")";
+  if (text.empty()) return "codec(" + std::to_string(int(codec)) + ")";
+  if (zstd) text += (text.find(':') == std::string::npos ? ":" : ",") + std::string("entropy=zstd");
+  return text;
 }
 
 void validate(const CodecSpec& s) {

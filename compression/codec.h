@@ -40,7 +40,6 @@ struct CodecSpec {
   // Canonical text, e.g. "fp32", "bf16", "int8:block=64", "int8:block=256,scale=fp16",
   // "topk:block=1024,fraction=0.01", "int8:block=1024,entropy=zstd". parse_codec(c.name()) == c.
   std::string name() const;
-  std::string base_name() const;  // name() without entropy=zstd
   bool lossless() const { return codec == Codec::kFp32; }
   bool operator==(const CodecSpec& o) const;
 };
