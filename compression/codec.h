@@ -1,13 +1,9 @@
-// codec.h: the codecs that compress tensors on the wire.
+// codec.h: the codecs that compress tensors on the wire, on contiguous fp32 buffers.
 //
-// Defines swarm::compression::CodecSpec (a codec and its parameters), `parse_codec` (the
-// canonical text form, e.g. "int8:block=64", used in job specs and on the wire), the
-// encode/decode pair over contiguous fp32 buffers, and ErrorFeedback (residual carry-over for
-// lossy codecs, e.g. topk on outer gradients). Byte layouts and error bounds: docs/compression.md. Plain C++ with no libtorch, so the router
-// can link it (it forwards activations untouched, but averages outer gradients).
-//
-// Encoded sizes are a pure function of (spec, element count): a decoder checks the byte count
-// it was given against `encoded_bytes` before it reads anything.
+// Defines the encode/decode pair and ErrorFeedback (residual carry-over for lossy codecs, e.g.
+// topk on outer gradients), built on the codec grammar of runtime/codec_spec.h (CodecSpec,
+// parse_codec, encoded_bytes), which the wire layer owns. Plain C++ with no libtorch. Byte
+// layouts and error bounds: docs/compression.md.
 #pragma once
 
 #include <cstddef>
@@ -16,39 +12,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "runtime/codec_spec.h"
+
 namespace swarm::compression {
-
-enum class Codec : uint8_t {
-  kFp32 = 0,  // raw little-endian float32
-  kFp16 = 1,  // IEEE half, round to nearest even
-  kBf16 = 2,  // bfloat16, round to nearest even, NaN and Inf preserved
-  kInt8 = 3,  // blockwise absmax int8
-  kInt4 = 4,  // blockwise absmax int4, two values per byte
-  kTopk = 5,  // largest-magnitude fraction per block, with indices
-};
-
-struct CodecSpec {
-  Codec codec = Codec::kFp32;
-  int block = 0;            // int8/int4/topk: values per block (64..4096); 0 for float codecs
-  bool fp16_scales = false; // int8/int4: scales stored as fp16 instead of fp32
-  double fraction = 0.0;    // topk: fraction of each block kept (0 < fraction <= 1)
-  // Any codec: the encoded bytes travel zstd-compressed (lossless; the wire layer packs and
-  // unpacks them, encode/decode and encoded_bytes here are unchanged). Quantized codes of
-  // smooth data are far from uniform: int8 deltas shrink to about 0.8 of their size.
-  bool zstd = false;
-
-  // Canonical text, e.g. "fp32", "bf16", "int8:block=64", "int8:block=256,scale=fp16",
-  // "topk:block=1024,fraction=0.01", "int8:block=1024,entropy=zstd". parse_codec(c.name()) == c.
-  std::string name() const;
-  bool lossless() const { return codec == Codec::kFp32; }
-  bool operator==(const CodecSpec& o) const;
-};
-
-// Throws swarm::CodecError (an InputError) naming what is wrong and what is accepted.
-CodecSpec parse_codec(const std::string& text);
-
-// Exact number of bytes `encode` writes for n values.
-size_t encoded_bytes(const CodecSpec& spec, int64_t n);
 
 // src: n contiguous floats; dst: encoded_bytes(spec, n) bytes.
 void encode(const CodecSpec& spec, const float* src, int64_t n, uint8_t* dst);
@@ -56,14 +22,6 @@ void encode(const CodecSpec& spec, const float* src, int64_t n, uint8_t* dst);
 // Validates nbytes == encoded_bytes(spec, n) and the content (e.g. topk indices in range)
 // before writing n floats to dst; throws swarm::CodecError otherwise.
 void decode(const CodecSpec& spec, const uint8_t* src, size_t nbytes, int64_t n, float* dst);
-
-// Longest codec text parse_codec accepts (it arrives from the network).
-constexpr size_t kMaxCodecTextBytes = 128;
-
-// Throws swarm::CodecError if `spec` is not one parse_codec could return (block out of
-// 64..4096, fraction outside (0, 1], parameters on a codec that takes none). encode,
-// decode and encoded_bytes call it; callers building a CodecSpec by hand may call it early.
-void validate(const CodecSpec& spec);
 
 // Error feedback: what a lossy codec did not send is added to the next round's input, per key
 // (e.g. a parameter name). For each call, with t = src + residual (fp32 adds, residual zero the

@@ -23,9 +23,9 @@ namespace {
 
 double seconds_of(const std::string& where, const std::string& key, const json& v, double min) {
   if (!v.is_number() || !std::isfinite(v.get<double>()))
-    fail(where, key + " must be a number of seconds, got " + v.dump());
+    fail(where, key + " must be a number of seconds, got " + shown_json(v));
   const double d = v.get<double>();
-  if (d < min) fail(where, key + "=" + v.dump() + ": give a value >= " + std::to_string(int(min)));
+  if (d < min) fail(where, key + "=" + shown_json(v) + ": give a value >= " + std::to_string(int(min)));
   return d;
 }
 
@@ -73,7 +73,7 @@ ChaosEvent parse_event(const json& j, size_t i) {
       if (!v.is_string() || v.get<std::string>().empty()) fail(where, "\"peer\" must be a peer name (\"stage1-0\") or \"random\"");
       e.peer = v.get<std::string>();
     } else if (k == "count") {
-      if (!v.is_number_unsigned()) fail(where, "count must be a whole number >= 0, got " + v.dump());
+      if (!v.is_number_unsigned()) fail(where, "count must be a whole number >= 0, got " + shown_json(v));
       e.count = v.get<uint64_t>();
     } else if (k == "every_s") {
       e.every_s = seconds_of(where, k, v, 0);
@@ -124,7 +124,7 @@ ChaosPlan parse_chaos_plan(const json& j) {
     const std::string& k = item.key();
     const json& v = item.value();
     if (k == "seed") {
-      if (!v.is_number_unsigned()) fail("seed", "must be a whole number >= 0, got " + v.dump());
+      if (!v.is_number_unsigned()) fail("seed", "must be a whole number >= 0, got " + shown_json(v));
       plan.seed = v.get<uint64_t>();
     } else if (k == "events") {
       if (!v.is_array()) fail("events", "must be a list of events");

@@ -26,6 +26,7 @@
 #include <xxhash.h>
 
 #include "runtime/errors.h"
+#include "runtime/fs.h"
 #include "runtime/log.h"
 
 namespace swarm {
@@ -108,64 +109,8 @@ void from_disk_order(std::vector<float>* v) {
 
 // --- writing ---
 
-[[noreturn]] void fail_io(const std::string& what, const std::string& path, int e) {
-  throw InputError("cannot write checkpoint: " + what + " " + path + ": " + errno_text(e));
-}
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int release() {
-    const int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-
- private:
-  int fd_;
-};
-
-void write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, std::min<size_t>(n, size_t(1) << 30));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail_io("write", path, errno);
-    }
-    p += w;
-    n -= size_t(w);
-  }
-}
-
-// Writes the pieces into `path` (created or truncated) and fsyncs it.
-void write_file_synced(const std::string& path, const std::vector<std::pair<const void*, size_t>>& pieces) {
-  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) fail_io("create", path, errno);
-  for (const auto& [data, n] : pieces) write_all(fd.get(), data, n, path);
-  if (::fsync(fd.get()) != 0) fail_io("fsync", path, errno);
-  if (::close(fd.release()) != 0) fail_io("close", path, errno);
-}
-
-void fsync_dir(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (fd.get() < 0) fail_io("open directory", path, errno);
-  if (::fsync(fd.get()) != 0 && errno != EINVAL) fail_io("fsync directory", path, errno);
-}
-
-void make_dirs(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) throw InputError("cannot write checkpoint: create directory " + dir + ": " + ec.message());
-  if (!fs::is_directory(dir, ec)) throw InputError("cannot write checkpoint: " + dir + " exists and is not a directory");
-}
-
+// Every write failure reads "cannot write checkpoint: STEP PATH: errno text" (runtime/fs.h).
+const char* const kWhat = "checkpoint";
 std::string step_dir_name(int step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step-%08d", step);
@@ -308,7 +253,7 @@ class Reader {
 
  private:
   std::string read_small_file(const std::string& path) const {
-    Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    fs_util::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (fd.get() < 0) {
       if (errno == ENOENT) fail(std::string("missing ") + kManifest + " (an unfinished or damaged checkpoint)");
       fail(std::string("cannot open ") + kManifest + ": " + errno_text(errno));
@@ -369,7 +314,7 @@ class Reader {
     const uint64_t bytes = js.at("bytes").get<uint64_t>();
     const std::string path = join(dir_, file);
 
-    Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    fs_util::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (fd.get() < 0) fail(file + ": " + (errno == ENOENT ? std::string("missing") : errno_text(errno)));
     struct stat st {};
     if (::fstat(fd.get(), &st) != 0) fail(file + ": " + errno_text(errno));
@@ -454,11 +399,11 @@ std::string write_checkpoint(const std::string& dir, const Checkpoint& ckpt, int
     }
   }
 
-  make_dirs(dir);
+  fs_util::make_dirs(dir, kWhat);
   const std::string final_name = step_dir_name(ckpt.step);
   const std::string final_path = join(dir, final_name);
   const std::string tmp_path = join(dir, temp_name(final_name));
-  if (::mkdir(tmp_path.c_str(), 0755) != 0) fail_io("create directory", tmp_path, errno);
+  if (::mkdir(tmp_path.c_str(), 0755) != 0) fs_util::fail_write(kWhat, "create directory", tmp_path, errno);
 
   try {
     nlohmann::ordered_json stages = nlohmann::ordered_json::array();
@@ -477,7 +422,7 @@ std::string write_checkpoint(const std::string& dir, const Checkpoint& ckpt, int
         pieces.emplace_back(bytes, n);
         offset += n;
       }
-      write_file_synced(join(tmp_path, file), pieces);
+      fs_util::write_file_synced(join(tmp_path, file), pieces, kWhat);
       stages.push_back({{"stage", s.stage}, {"file", file}, {"bytes", offset}, {"adam_step", s.adam_step}, {"arrays", arrays}});
     }
 
@@ -498,19 +443,19 @@ std::string write_checkpoint(const std::string& dir, const Checkpoint& ckpt, int
                                        {"router", ckpt.router},
                                        {"stages", stages}};
     const std::string text = manifest.dump(1) + "\n";
-    write_file_synced(join(tmp_path, kManifest), {{text.data(), text.size()}});
-    fsync_dir(tmp_path);
+    fs_util::write_file_synced(join(tmp_path, kManifest), {{text.data(), text.size()}}, kWhat);
+    fs_util::fsync_dir(tmp_path, kWhat);
 
     if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) {
-      if (errno != ENOTEMPTY && errno != EEXIST) fail_io("rename " + tmp_path + " to", final_path, errno);
+      if (errno != ENOTEMPTY && errno != EEXIST) fs_util::fail_write(kWhat, "rename " + tmp_path + " to", final_path, errno);
       // A checkpoint of this step exists (a job resumed from an earlier one): swap it out
       // atomically where the filesystem can, else move it aside first.
       if (::renameat2(AT_FDCWD, tmp_path.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) == 0) {
         remove_tree_quietly(tmp_path);   // now holds the old checkpoint
       } else {
         const std::string old = join(dir, temp_name("replaced-" + final_name));
-        if (::rename(final_path.c_str(), old.c_str()) != 0) fail_io("move aside", final_path, errno);
-        if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) fail_io("rename " + tmp_path + " to", final_path, errno);
+        if (::rename(final_path.c_str(), old.c_str()) != 0) fs_util::fail_write(kWhat, "move aside", final_path, errno);
+        if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) fs_util::fail_write(kWhat, "rename " + tmp_path + " to", final_path, errno);
         remove_tree_quietly(old);
       }
     }
@@ -518,7 +463,7 @@ std::string write_checkpoint(const std::string& dir, const Checkpoint& ckpt, int
     remove_tree_quietly(tmp_path);
     throw;
   }
-  fsync_dir(dir);
+  fs_util::fsync_dir(dir, kWhat);
 
   // The checkpoint is safe now; failing to tidy up older ones must not undo that.
   try {

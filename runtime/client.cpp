@@ -3,6 +3,8 @@
 
 #include <chrono>
 
+#include "runtime/messages.h"
+
 namespace swarm {
 
 using wire::Message;
@@ -16,8 +18,10 @@ Client::Client(const std::string& router, int timeout_ms) : router_(router), soc
     throw RouterUnreachable("cannot use router address '" + router + "': " + e.what() +
                             " (expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555)");
   }
-  Message hello(MsgType::kHello, next_id_++, 0, nlohmann::json{{"role", "client"}, {"version", wire::kVersion}});
-  request(std::move(hello), timeout_ms);
+  msg::Hello hello;
+  hello.role = msg::Role::kClient;
+  hello.version = wire::kVersion;
+  request(msg::make(hello, next_id_++), timeout_ms);
 }
 
 Client::~Client() {
@@ -45,8 +49,10 @@ Message Client::request(Message req, int timeout_ms) {
     if (m.type == MsgType::kHeartbeat) continue;
     // An ERROR with id 0 answers a message the router could not even parse: ours.
     if (m.id != id && !(m.type == MsgType::kError && m.id == 0)) continue;
-    if (m.type == MsgType::kError)
-      throw RouterError(m.body.value("name", std::string("error")), m.body.value("message", std::string("the router refused the request")));
+    if (m.type == MsgType::kError) {
+      const msg::Error e = msg::read<msg::Error>(m);
+      throw RouterError(e.name.empty() ? "error" : e.name, e.message.empty() ? "the router refused the request" : e.message);
+    }
     return m;
   }
   throw RouterUnreachable("no answer from a router at " + router_ + " within " + std::to_string(timeout_ms / 1000.0) +
@@ -54,7 +60,19 @@ Message Client::request(Message req, int timeout_ms) {
 }
 
 nlohmann::json Client::request_body(MsgType type, nlohmann::json body, int timeout_ms) {
-  return request(Message(type, 0, 0, std::move(body)), timeout_ms).body;
+  return wire::body_json(request(wire::json_message(type, 0, 0, body), timeout_ms));
+}
+
+nlohmann::json Client::peers(int timeout_ms) {
+  nlohmann::json all = nlohmann::json::array();
+  uint64_t total = 0;
+  do {
+    nlohmann::json page = request_body(MsgType::kPeers, {{"offset", all.size()}}, timeout_ms);
+    total = page.value("total", uint64_t(0));
+    if (!page.contains("peers") || page["peers"].empty()) break;
+    for (auto& p : page["peers"]) all.push_back(std::move(p));
+  } while (all.size() < total);
+  return {{"peers", all}, {"total", total}};
 }
 
 }  // namespace swarm

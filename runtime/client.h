@@ -37,6 +37,8 @@ class Client {
   // and RouterError when the router answers ERROR.
   wire::Message request(wire::Message req, int timeout_ms = 10000);
   nlohmann::json request_body(wire::MsgType type, nlohmann::json body, int timeout_ms = 10000);
+  // Every registered peer, PEERS page by page ({peers, total}).
+  nlohmann::json peers(int timeout_ms = 10000);
 
  private:
   std::string router_;

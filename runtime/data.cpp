@@ -6,6 +6,8 @@
 // single-process reference, a restarted router) draws exactly the same microbatches.
 #include "runtime/data.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -21,11 +23,27 @@
 namespace swarm {
 namespace {
 
-std::string read_file(const std::string& path) {
+// The file's bytes, when it is a regular file and `budget` (bytes left of the job's data cap)
+// holds it; the size is checked before anything is read, so a device or a huge file costs nothing.
+std::string read_file(const std::string& path, uint64_t& budget) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     throw SpecError("data.path: \"" + path + "\" is a directory; list the files in it instead");
   }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw SpecError("data.path: cannot read \"" + path + "\" (" + std::strerror(errno) +
+                    "); check the path in the job spec's data.path");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    throw SpecError("data.path: \"" + path + "\" is not a regular file (a device, FIFO or socket); name a file of training data");
+  }
+  if (uint64_t(st.st_size) > budget) {
+    throw SpecError("data.path: \"" + path + "\" (" + std::to_string(st.st_size) + " bytes) takes the job's data past the " +
+                    "limit this loader was given (" + std::to_string(budget) + " bytes left); use fewer or smaller files, "
+                    "or raise the limit (swarm-router --max-data-bytes)");
+  }
+  budget -= uint64_t(st.st_size);
   std::ifstream f(path, std::ios::binary);
   if (!f) {
     throw SpecError("data.path: cannot read \"" + path + "\" (" + std::strerror(errno) +
@@ -44,7 +62,7 @@ std::string pct(double f) {
 
 }  // namespace
 
-TokenData TokenData::load(const DataSpec& data, int seq_len, int vocab_size) {
+TokenData TokenData::load(const DataSpec& data, int seq_len, int vocab_size, uint64_t max_bytes) {
   if (data.format != "text" && data.format != "bin") {
     throw SpecError("data.format: must be \"text\" or \"bin\", got \"" + data.format + "\"");
   }
@@ -56,8 +74,9 @@ TokenData TokenData::load(const DataSpec& data, int seq_len, int vocab_size) {
   if (vocab_size < 1) throw SpecError("model.vocab_size: must be at least 1");
 
   std::vector<int32_t> all;
+  uint64_t budget = max_bytes;
   for (const auto& path : data.paths) {
-    std::string bytes = read_file(path);
+    std::string bytes = read_file(path, budget);
     if (bytes.empty()) {
       throw SpecError("data.path: \"" + path + "\" is empty; remove it from data.path or give a file with data");
     }

@@ -18,9 +18,11 @@ namespace swarm {
 class TokenData {
  public:
   // Loads data.paths as data.format ("text": every byte is a token; "bin": little-endian
-  // uint16 tokens, as nanoGPT's prepare scripts write). Throws SpecError on missing/empty files
-  // or when a split is too short for one sample of seq_len + 1 tokens.
-  static TokenData load(const DataSpec& data, int seq_len, int vocab_size);
+  // uint16 tokens, as nanoGPT's prepare scripts write). Throws SpecError on missing/empty files,
+  // anything but regular files, files that together pass `max_bytes`, or when a split is too
+  // short for one sample of seq_len + 1 tokens.
+  static TokenData load(const DataSpec& data, int seq_len, int vocab_size, uint64_t max_bytes = kDefaultMaxDataBytes);
+  static constexpr uint64_t kDefaultMaxDataBytes = uint64_t(1) << 30;
 
   const std::vector<int32_t>& train() const { return train_; }
   const std::vector<int32_t>& val() const { return val_; }

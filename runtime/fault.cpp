@@ -98,7 +98,7 @@ FaultAction parse_action(const Where& w, const std::string& name) {
 }
 
 double number_of(const Where& w, const std::string& key, const json& v) {
-  if (!v.is_number()) w.fail(key + " must be a number, got " + v.dump());
+  if (!v.is_number()) w.fail(key + " must be a number, got " + shown_json(v));
   const double d = v.get<double>();
   if (!std::isfinite(d)) w.fail(key + " must be finite");
   return d;
@@ -107,7 +107,7 @@ double number_of(const Where& w, const std::string& key, const json& v) {
 uint64_t whole_of(const Where& w, const std::string& key, const json& v) {
   const double d = number_of(w, key, v);
   if (d < 0 || d != std::floor(d) || d > 9007199254740992.0)
-    w.fail(key + "=" + v.dump() + ": give a whole number >= 0");
+    w.fail(key + "=" + shown_json(v) + ": give a whole number >= 0");
   return uint64_t(d);
 }
 
@@ -127,11 +127,11 @@ void set_key(FaultSpec& s, const Where& w, const std::string& key, const json& v
     for (FaultPoint p : points_of(s.action)) names.push_back(fault_point_name(p));
     auto p = v.is_string() ? point_named(v.get<std::string>()) : std::nullopt;
     if (!p || std::find(names.begin(), names.end(), fault_point_name(*p)) == names.end())
-      w.fail("point=" + (v.is_string() ? v.get<std::string>() : v.dump()) + " is not a point for " + action + "; " +
+      w.fail("point=" + (v.is_string() ? v.get<std::string>() : shown_json(v)) + " is not a point for " + action + "; " +
              action + " takes point=" + join(names));
     s.point = *p;
   } else if (key == "on") {
-    const std::string name = v.is_string() ? v.get<std::string>() : v.dump();
+    const std::string name = v.is_string() ? v.get<std::string>() : shown_json(v);
     s.on = 0;
     for (int t = 1; t <= 1000 && !s.on; ++t)
       if (wire::known_type(t) && name == lower(wire::msg_type_name(static_cast<wire::MsgType>(t)))) s.on = t;
@@ -270,8 +270,7 @@ FaultSpec parse_fault(const std::string& text) {
 
 FaultSpec parse_fault_json(const json& j) {
   if (j.is_string()) return parse_fault(j.get<std::string>());
-  std::string shown = j.dump();
-  if (shown.size() > 120) shown = shown.substr(0, 117) + "...";
+  const std::string shown = shown_json(j, 120);
   const Where w{"fault " + shown};
   if (!j.is_object()) w.fail("give an object {\"action\": ..., key: value...} or a string \"ACTION[,key=value...]\"");
   auto a = j.find("action");
@@ -317,7 +316,7 @@ FaultPlan parse_fault_plan(const json& j) {
   FaultPlan plan;
   for (const auto& item : j.items()) {
     if (item.key() == "seed") {
-      if (!item.value().is_number_unsigned()) throw InputError("fault plan: seed must be a whole number >= 0, got " + item.value().dump());
+      if (!item.value().is_number_unsigned()) throw InputError("fault plan: seed must be a whole number >= 0, got " + shown_json(item.value()));
       plan.seed = item.value().get<uint64_t>();
     } else if (item.key() == "faults") {
       if (!item.value().is_array()) throw InputError("fault plan: faults must be a list of faults");

@@ -7,6 +7,8 @@
 // max_seq_len, layers_per_stage, inner_batch) are set.
 #include "runtime/job_spec.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -18,6 +20,7 @@
 #include <limits>
 #include <sstream>
 
+#include "runtime/codec_spec.h"
 #include "runtime/errors.h"
 #include "runtime/text.h"
 #include "runtime/limits.h"
@@ -245,9 +248,9 @@ void read_paths(const Obj& o, std::vector<std::string>& out) {
     take(*v, o.at("path"));
   } else if (v->is_array()) {
     if (v->empty()) fail(o.at("path"), "is an empty list; give at least one file");
-    if (v->size() > limits::kMaxMapEntries) {
+    if (v->size() > limits::kMaxDataPaths) {
       fail(o.at("path"), "has " + std::to_string(v->size()) + " files, over the limit of " +
-                             std::to_string(limits::kMaxMapEntries));
+                             std::to_string(limits::kMaxDataPaths) + "; concatenate them into fewer files");
     }
     for (size_t i = 0; i < v->size(); ++i) take((*v)[i], o.at("path") + "[" + std::to_string(i) + "]");
   } else {
@@ -289,6 +292,11 @@ void check_file(const std::string& path, const std::string& field) {
   if (std::filesystem::is_directory(path, ec)) {
     fail(field, quote(path) + " is a directory; list the files in it instead");
   }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    // A device, FIFO or socket: reading it could block or never end (/dev/zero).
+    fail(field, quote(path) + " is not a regular file (a device, FIFO or socket); name a file of training data");
+  }
   std::ifstream f(path, std::ios::binary);
   if (f) return;
   int err = errno;
@@ -302,14 +310,19 @@ void check_file(const std::string& path, const std::string& field) {
   fail(field, msg);
 }
 
+// The enum a string field names, or a SpecError listing what it may be.
+template <class E>
+E choose(const std::string& path, const std::string& value, std::initializer_list<std::pair<const char*, E>> options,
+         const std::string& allowed) {
+  for (const auto& [name, e] : options)
+    if (value == name) return e;
+  fail(path, "must be " + allowed + ", got " + quote(value));
+}
+
 // Fills derived defaults and checks every rule. `s` comes from the parser, so types are right.
 void fill_and_validate(JobSpec& s, bool check_files) {
   if (s.name.empty()) fail("name", "must not be empty; name the job, e.g. \"tiny_gpt\"");
   require_positive("steps", s.steps, "the number of optimizer steps to train");
-  if (s.schedule != "async" && s.schedule != "sync") {
-    fail("schedule", "must be \"async\" (no barrier, SWARM) or \"sync\" (flush at every step, "
-                     "exact), got " + quote(s.schedule));
-  }
 
   // model
   ModelSpec& m = s.model;
@@ -376,6 +389,9 @@ void fill_and_validate(JobSpec& s, bool check_files) {
   }
   if (s.max_inflight < 0) fail("max_inflight", "must be >= 0 (0 means 2 * partition.stages)");
   if (s.max_inflight == 0) s.max_inflight = 2 * p.stages;
+  if (s.max_inflight > limits::kMaxInflight)
+    fail("max_inflight", std::to_string(s.max_inflight) + " is over the limit of " + std::to_string(limits::kMaxInflight) +
+                             " microbatches in flight (limits::kMaxInflight); a few per stage keep every stage busy");
 
   // data
   DataSpec& d = s.data;
@@ -415,8 +431,12 @@ void fill_and_validate(JobSpec& s, bool check_files) {
                                   " is not divisible by batch.microbatch_size " + std::to_string(b.microbatch_size) +
                                   "; a peer accumulates whole microbatches, so make it a multiple of microbatch_size");
   }
-
-  // optimizer
+  const double act_bytes = 4.0 * b.microbatch_size * double(m.seq_len) * double(m.d_model);
+  if (act_bytes > double(limits::kMaxMicrobatchBytes))
+    fail("batch.microbatch_size", "one microbatch's activations, [" + std::to_string(b.microbatch_size) + ", " +
+                                      std::to_string(m.seq_len) + ", " + std::to_string(m.d_model) + "] in fp32, take " +
+                                      num(act_bytes) + " bytes, over the wire's limit of " + std::to_string(limits::kMaxMicrobatchBytes) +
+                                      "; use smaller microbatches");
   OptimizerSpec& o = s.optimizer;
   if (o.name != "adamw" && o.name != "sgd") {
     fail("optimizer.name", "must be \"adamw\" or \"sgd\" (plain SGD with the same schedule, clipping and decay), got " + quote(o.name));
@@ -446,10 +466,6 @@ void fill_and_validate(JobSpec& s, bool check_files) {
     fail("diloco.outer_momentum", "must be in [0, 1), got " + num(dl.outer_momentum) + "; DiLoCo uses 0.9");
   }
   if (!(dl.deadline_s > 0)) fail("diloco.deadline_s", "must be > 0 seconds, got " + num(dl.deadline_s));
-  if (dl.sync != "rounds" && dl.sync != "every_step") {
-    fail("diloco.sync", "must be \"rounds\" (DiLoCo: an outer step every inner_steps) or \"every_step\" "
-                        "(average gradients every step, the data-parallel reference), got " + quote(dl.sync));
-  }
   require_positive("diloco.streaming.fragments", dl.fragments, "the number of parameter fragments (1: no streaming)");
   if (dl.fragments > dl.inner_steps) {
     fail("diloco.streaming.fragments", std::to_string(dl.fragments) + " fragments but diloco.inner_steps is " +
@@ -462,11 +478,11 @@ void fill_and_validate(JobSpec& s, bool check_files) {
                                                std::to_string(dl.overlap_steps) + ": a fragment's exchange must land before the next one starts");
   }
   if (dl.warm_start_steps < 0) fail("diloco.warm_start_steps", "must be >= 0 (0: rounds from the first step), got " + std::to_string(dl.warm_start_steps));
-  if (dl.warm_start_steps > 0 && s.schedule != "sync") {
+  if (dl.warm_start_steps > 0 && s.schedule != Schedule::kSync) {
     fail("diloco.warm_start_steps", "syncs every step during the warm start, which needs schedule \"sync\" "
                                     "(a barrier at every step); set \"schedule\": \"sync\"");
   }
-  if (dl.sync == "every_step" && s.schedule != "sync") {
+  if (dl.sync == DilocoSync::kEveryStep && s.schedule != Schedule::kSync) {
     fail("diloco.sync", "\"every_step\" averages gradients at every optimizer step, which needs schedule \"sync\" "
                         "(a barrier at every step); set \"schedule\": \"sync\"");
   }
@@ -477,19 +493,21 @@ void fill_and_validate(JobSpec& s, bool check_files) {
   if (s.checkpoint.snapshot_every_steps < 0) fail("checkpoint.snapshot_every_steps", "must be >= 0 (0 snapshots after every round)");
 
   // routing
-  if (s.routing.mode != "swarm" && s.routing.mode != "static") {
-    fail("routing.mode", "must be \"swarm\" (each hop to the peer that finishes it first) or \"static\" "
-                         "(fixed pipelines, for comparison), got " + quote(s.routing.mode));
-  }
   if (!(s.routing.rebalance_period_s > 0)) fail("routing.rebalance_period_s", "must be > 0 seconds");
   if (!(s.routing.min_gain >= 0)) fail("routing.min_gain", "must be >= 0 (a fraction, e.g. 0.1)");
   if (!(s.routing.cooldown_s >= 0)) fail("routing.cooldown_s", "must be >= 0 seconds");
 
-  // compression: codec names are checked by the caller (compression/codec.h); runtime stays
-  // independent of the codecs.
-  if (s.compression.activations.empty()) fail("compression.activations", "must name a codec, e.g. \"fp32\"");
-  if (s.compression.gradients.empty()) fail("compression.gradients", "must name a codec, e.g. \"fp32\"");
-  if (s.compression.outer.empty()) fail("compression.outer", "must name a codec, e.g. \"fp32\"");
+  // compression: the codec grammar (runtime/codec_spec.h) names what is wrong and what is accepted.
+  for (const auto& [field, text] : {std::make_pair("compression.activations", &s.compression.activations),
+                                    std::make_pair("compression.gradients", &s.compression.gradients),
+                                    std::make_pair("compression.outer", &s.compression.outer)}) {
+    if (text->empty()) fail(field, "must name a codec, e.g. \"fp32\"");
+    try {
+      compression::parse_codec(*text);
+    } catch (const CodecError& e) {
+      fail(field, e.what());
+    }
+  }
 
   // eval
   if (s.eval.every_steps < 0) {
@@ -524,6 +542,10 @@ std::string parser_reason(const std::string& what) {
 
 }  // namespace
 
+const char* schedule_name(Schedule s) { return s == Schedule::kSync ? "sync" : "async"; }
+const char* diloco_sync_name(DilocoSync s) { return s == DilocoSync::kEveryStep ? "every_step" : "rounds"; }
+const char* routing_mode_name(RoutingMode m) { return m == RoutingMode::kStatic ? "static" : "swarm"; }
+
 int JobSpec::first_layer(int stage) const {
   SWARM_CHECK(int(partition.layers_per_stage.size()) == partition.stages,
               "layers_per_stage is filled by parse_job_spec");
@@ -540,7 +562,10 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
   top.get("name", s.name);
   top.get("seed", s.seed);
   top.get("steps", s.steps);
-  top.get("schedule", s.schedule);
+  std::string schedule = schedule_name(s.schedule);
+  top.get("schedule", schedule);
+  s.schedule = choose<Schedule>("schedule", schedule, {{"async", Schedule::kAsync}, {"sync", Schedule::kSync}},
+                                "\"async\" (no barrier, SWARM) or \"sync\" (flush at every step, exact)");
   top.get("max_inflight", s.max_inflight);
 
   if (const json* v = top.sub("model")) {
@@ -593,7 +618,11 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
     o.get("outer_momentum", s.diloco.outer_momentum);
     o.get("nesterov", s.diloco.nesterov);
     o.get("deadline_s", s.diloco.deadline_s);
-    o.get("sync", s.diloco.sync);
+    std::string sync = diloco_sync_name(s.diloco.sync);
+    o.get("sync", sync);
+    s.diloco.sync = choose<DilocoSync>("diloco.sync", sync, {{"rounds", DilocoSync::kRounds}, {"every_step", DilocoSync::kEveryStep}},
+                                       "\"rounds\" (DiLoCo: an outer step every inner_steps) or \"every_step\" "
+                                       "(average gradients every step, the data-parallel reference)");
     o.get("warm_start_steps", s.diloco.warm_start_steps);
     if (const json* st = o.sub("streaming")) {
       Obj so(*st, "diloco.streaming", {"fragments", "overlap_steps"});
@@ -610,7 +639,11 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
   }
   if (const json* v = top.sub("routing")) {
     Obj o(*v, "routing", {"mode", "rebalance", "rebalance_period_s", "min_gain", "cooldown_s"});
-    o.get("mode", s.routing.mode);
+    std::string mode = routing_mode_name(s.routing.mode);
+    o.get("mode", mode);
+    s.routing.mode = choose<RoutingMode>("routing.mode", mode, {{"swarm", RoutingMode::kSwarm}, {"static", RoutingMode::kStatic}},
+                                         "\"swarm\" (each hop to the peer that finishes it first) or \"static\" "
+                                         "(fixed pipelines, for comparison)");
     o.get("rebalance", s.routing.rebalance);
     o.get("rebalance_period_s", s.routing.rebalance_period_s);
     o.get("min_gain", s.routing.min_gain);
@@ -665,7 +698,7 @@ json to_json(const JobSpec& s) {
   j["name"] = s.name;
   j["seed"] = s.seed;
   j["steps"] = s.steps;
-  j["schedule"] = s.schedule;
+  j["schedule"] = schedule_name(s.schedule);
   j["max_inflight"] = s.max_inflight;
   j["model"] = {{"vocab_size", s.model.vocab_size}, {"d_model", s.model.d_model}, {"n_head", s.model.n_head},
                 {"n_layer", s.model.n_layer},       {"seq_len", s.model.seq_len}, {"max_seq_len", s.model.max_seq_len},
@@ -689,7 +722,7 @@ json to_json(const JobSpec& s) {
                  {"outer_momentum", s.diloco.outer_momentum},
                  {"nesterov", s.diloco.nesterov},
                  {"deadline_s", s.diloco.deadline_s},
-                 {"sync", s.diloco.sync},
+                 {"sync", diloco_sync_name(s.diloco.sync)},
                  {"warm_start_steps", s.diloco.warm_start_steps},
                  {"streaming", {{"fragments", s.diloco.fragments}, {"overlap_steps", s.diloco.overlap_steps}}}};
   j["compression"] = {{"activations", s.compression.activations},
@@ -703,12 +736,28 @@ json to_json(const JobSpec& s) {
                      {"every_steps", s.checkpoint.every_steps},
                      {"keep", s.checkpoint.keep},
                      {"snapshot_every_steps", s.checkpoint.snapshot_every_steps}};
-  j["routing"] = {{"mode", s.routing.mode},
+  j["routing"] = {{"mode", routing_mode_name(s.routing.mode)},
                   {"rebalance", s.routing.rebalance},
                   {"rebalance_period_s", s.routing.rebalance_period_s},
                   {"min_gain", s.routing.min_gain},
                   {"cooldown_s", s.routing.cooldown_s}};
   return j;
+}
+
+std::vector<int64_t> stage_parameter_counts(const JobSpec& spec) {
+  const ModelSpec& m = spec.model;
+  const int64_t C = m.d_model, V = m.vocab_size, T = m.max_seq_len > 0 ? m.max_seq_len : m.seq_len, b = m.bias ? 1 : 0;
+  // ln_1, c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weights, then biases when bias is on).
+  const int64_t block = (C + 3 * C * C + C * C + C + 4 * C * C + 4 * C * C) + b * (C + 3 * C + C + C + 4 * C + C);
+  std::vector<int64_t> out;
+  const int S = spec.partition.stages;
+  for (int s = 0; s < S; ++s) {
+    int64_t n = block * spec.partition.layers_per_stage[size_t(s)];
+    if (s == 0) n += V * C + T * C;
+    if (s == S - 1) n += C + b * C + V * C;
+    out.push_back(n);
+  }
+  return out;
 }
 
 bool operator==(const JobSpec& a, const JobSpec& b) { return to_json(a) == to_json(b); }

@@ -14,6 +14,14 @@
 
 namespace swarm {
 
+// The decisions a job spec names as strings, parsed once (to_json writes the same strings).
+enum class Schedule { kAsync, kSync };        // "async": no barrier (SWARM); "sync": flush at every step (exact)
+enum class DilocoSync { kRounds, kEveryStep };  // "rounds": DiLoCo; "every_step": the data-parallel reference
+enum class RoutingMode { kSwarm, kStatic };   // "swarm": least expected completion; "static": fixed pipelines
+const char* schedule_name(Schedule s);
+const char* diloco_sync_name(DilocoSync s);
+const char* routing_mode_name(RoutingMode m);
+
 struct ModelSpec {
   int vocab_size = 256;      // 256 for text read as bytes
   int d_model = 128;
@@ -31,7 +39,7 @@ struct PartitionSpec {
 
 struct DataSpec {
   std::string format = "text";           // "text" (bytes, vocab 256) or "bin" (uint16 tokens)
-  std::vector<std::string> paths;        // "path": a string or a list; read in order, concatenated
+  std::vector<std::string> paths;        // "path": a string or a list (at most 256); read in order, concatenated
   double val_fraction = 0.1;             // the last fraction of the tokens is the validation split
 };
 
@@ -64,7 +72,7 @@ struct DilocoSpec {
   double deadline_s = 30.0;    // a round ignores contributions that arrive later
   // "rounds": DiLoCo (an outer step every inner_steps). "every_step": the data-parallel
   // reference, the group averages its gradients at every inner step and takes one AdamW step.
-  std::string sync = "rounds";
+  DilocoSync sync = DilocoSync::kRounds;
   // "rounds": the first warm_start_steps steps sync every step as "every_step" does, then the
   // rounds begin from that one shared state (post-local SGD; the DiLoCo paper starts from a
   // pretrained model). Peers drift most early in training, when the loss moves fastest.
@@ -102,7 +110,7 @@ struct CheckpointSpec {
 
 // How hops find peers, and whether the router moves peers between stages.
 struct RoutingSpec {
-  std::string mode = "swarm";  // "swarm" (least expected completion) or "static" (fixed pipelines)
+  RoutingMode mode = RoutingMode::kSwarm;
   bool rebalance = true;       // move peers to the bottleneck stage
   double rebalance_period_s = 180;  // mean period (randomised +-25%)
   double min_gain = 0.10;      // a move must raise the minimum stage throughput by this fraction
@@ -113,8 +121,8 @@ struct JobSpec {
   std::string name = "job";
   uint64_t seed = 1;
   int steps = 100;                 // optimizer steps of the job (each batch_size samples)
-  std::string schedule = "async";  // "async" (no barrier) or "sync" (flush at every step; exact)
-  int max_inflight = 0;            // microbatches in flight at once; 0 -> 2 * stages
+  Schedule schedule = Schedule::kAsync;
+  int max_inflight = 0;            // microbatches in flight at once; 0 -> 2 * stages; at most limits::kMaxInflight
   ModelSpec model;
   PartitionSpec partition;
   DataSpec data;
@@ -132,11 +140,16 @@ struct JobSpec {
   int first_layer(int stage) const;   // index of the stage's first transformer block
 };
 
-// Parses and validates. Throws SpecError naming the field and what to change. Checks files
-// exist and are readable (data.paths) when `check_files` is true.
+// Parses and validates (codec texts included). Throws SpecError naming the field and what to
+// change. Checks that data.paths are readable regular files when `check_files` is true.
 JobSpec parse_job_spec(const nlohmann::json& j, bool check_files = true);
 JobSpec parse_job_spec_text(const std::string& text, bool check_files = true);
 nlohmann::json to_json(const JobSpec& spec);
+
+// Parameters per stage of the GPT the spec describes (stages/model.h builds exactly these):
+// token and position embeddings on stage 0, its blocks on every stage, the final norm and the
+// LM head on the last. The router takes a stage's size from here, never from a peer.
+std::vector<int64_t> stage_parameter_counts(const JobSpec& spec);
 
 // Field-by-field equality (through the canonical JSON), e.g. to check that peers run the same job.
 bool operator==(const JobSpec& a, const JobSpec& b);

@@ -11,7 +11,9 @@ namespace swarm::limits {
 
 constexpr size_t kMaxFrames = 4096;                   // frames in one multipart message
 constexpr size_t kMaxEnvelopeBytes = 256;             // frame 0
-constexpr size_t kMaxBodyBytes = 4u << 20;            // frame 1 (msgpack body; job specs live here)
+constexpr size_t kMaxBodyBytes = 4u << 20;            // frame 1 of SUBMIT, LOAD_STAGE, ROUND_REDUCE and the
+                                                      // client replies (job specs and statuses live there)
+constexpr size_t kMaxSmallBodyBytes = 16u << 10;      // frame 1 of every other message type
 constexpr size_t kMaxTensorBytes = 1u << 30;          // one tensor frame
 constexpr size_t kMaxMessageBytes = size_t(2) << 30;  // all frames of one message together
 constexpr size_t kMaxTensorRank = 8;
@@ -22,6 +24,18 @@ constexpr size_t kMaxMapEntries = 1024;              // entries in one msgpack m
 constexpr size_t kMaxArrayEntries = 65536;           // entries in one msgpack array (a status's loss history)
 constexpr size_t kMaxBinBytes = 1u << 20;            // one msgpack bin value in a body
 constexpr size_t kMaxPeerIdBytes = 64;
+constexpr size_t kMaxTextBytes = 1024;                // a free-text field: an error message, a reason, a device name
 constexpr int kMaxStages = 256;
+
+// What one job or one router may hold, so that no request makes the router allocate without bound.
+constexpr int kMaxInflight = 4096;                    // max_inflight of a job (microbatches in flight)
+constexpr int64_t kMaxSteps = int64_t(1) << 31;       // steps of a job
+constexpr size_t kMaxDataPaths = 256;                 // data.path entries of a job spec
+constexpr size_t kMaxPeers = 16384;                   // stage servers registered with one router at once
+constexpr size_t kMaxClients = 1024;                  // client sessions the router keeps at once
+constexpr size_t kMaxJobs = 1024;                     // jobs the router keeps (the oldest finished are forgotten)
+constexpr size_t kMaxPeersPerReply = 1000;            // peers in one PEERS_REPLY (clients page through the rest)
+constexpr int64_t kMaxBenchCount = 10000000;          // FORWARDs of one transport benchmark
+constexpr int64_t kMaxMicrobatchBytes = int64_t(1) << 30;  // one activation [B, T, d_model] in fp32
 
 }  // namespace swarm::limits

@@ -29,6 +29,12 @@ std::string join(const std::vector<std::string>& items) {
   return s;
 }
 
+std::string shown_json(const nlohmann::json& v, size_t max_chars) {
+  std::string s = v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (s.size() > max_chars) s = s.substr(0, max_chars > 3 ? max_chars - 3 : 0) + "...";
+  return s;
+}
+
 nlohmann::json read_json_file(const std::string& what, const std::string& path) {
   std::ifstream f(path);
   if (!f) throw InputError(what + " " + path + ": cannot read the file (" + std::strerror(errno) + ")");

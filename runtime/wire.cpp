@@ -1,8 +1,9 @@
 // wire.cpp: encoding, decoding and validation of wire protocol v1 messages (see wire.h).
 //
-// Bodies are parsed with msgpack-c under explicit unpack limits (sizes, depth) so that no
-// declared length is allocated before it is checked, then converted to nlohmann::json for
-// field access. Every failure is a WireError with a code and a sentence.
+// Frames are parsed with msgpack-c under explicit unpack limits (sizes, depth), so that no
+// declared length is allocated before it is checked; tensor descriptions are read straight from
+// the msgpack objects. The body stays msgpack bytes for runtime/messages.h to read into a typed
+// struct. Every failure is a WireError with a code and a sentence.
 #include "runtime/wire.h"
 
 #include <cstring>
@@ -11,11 +12,10 @@
 #include <xxhash.h>
 #include <zstd.h>
 
+#include "runtime/body.h"
 #include "runtime/limits.h"
 
 namespace swarm::wire {
-
-using nlohmann::json;
 
 namespace {
 
@@ -23,36 +23,7 @@ constexpr int kMaxDepth = 16;
 
 [[noreturn]] void fail(WireErrc code, const std::string& what) { throw WireError(code, what); }
 
-json to_json(const msgpack::object& o, int depth) {
-  if (depth > kMaxDepth) fail(WireErrc::kMalformed, "msgpack nesting deeper than " + std::to_string(kMaxDepth));
-  switch (o.type) {
-    case msgpack::type::NIL: return nullptr;
-    case msgpack::type::BOOLEAN: return o.via.boolean;
-    case msgpack::type::POSITIVE_INTEGER: return o.via.u64;
-    case msgpack::type::NEGATIVE_INTEGER: return o.via.i64;
-    case msgpack::type::FLOAT32:
-    case msgpack::type::FLOAT64: return o.via.f64;
-    case msgpack::type::STR: return std::string(o.via.str.ptr, o.via.str.size);
-    case msgpack::type::BIN: return json::binary(std::vector<uint8_t>(o.via.bin.ptr, o.via.bin.ptr + o.via.bin.size));
-    case msgpack::type::ARRAY: {
-      json a = json::array();
-      for (uint32_t i = 0; i < o.via.array.size; ++i) a.push_back(to_json(o.via.array.ptr[i], depth + 1));
-      return a;
-    }
-    case msgpack::type::MAP: {
-      json m = json::object();
-      for (uint32_t i = 0; i < o.via.map.size; ++i) {
-        const auto& kv = o.via.map.ptr[i];
-        if (kv.key.type != msgpack::type::STR) fail(WireErrc::kMalformed, "map key is not a string");
-        m[std::string(kv.key.via.str.ptr, kv.key.via.str.size)] = to_json(kv.val, depth + 1);
-      }
-      return m;
-    }
-    default: fail(WireErrc::kMalformed, "unsupported msgpack type (ext)");
-  }
-}
-
-json unpack_frame(const zmq::message_t& f, const char* what) {
+msgpack::object_handle unpack_frame(const zmq::message_t& f, const char* what) {
   const auto lim = msgpack::unpack_limit(limits::kMaxArrayEntries, limits::kMaxMapEntries,
                                          limits::kMaxStringBytes, limits::kMaxBinBytes, 0, kMaxDepth);
   try {
@@ -60,7 +31,7 @@ json unpack_frame(const zmq::message_t& f, const char* what) {
     msgpack::object_handle oh =
         msgpack::unpack(static_cast<const char*>(f.data()), f.size(), off, nullptr, nullptr, lim);
     if (off != f.size()) fail(WireErrc::kMalformed, std::string(what) + " has trailing bytes");
-    return to_json(oh.get(), 0);
+    return oh;
   } catch (const msgpack::insufficient_bytes&) {
     fail(WireErrc::kTruncated, std::string(what) + " is truncated");
   } catch (const msgpack::depth_size_overflow&) {
@@ -74,85 +45,121 @@ json unpack_frame(const zmq::message_t& f, const char* what) {
   }
 }
 
-zmq::message_t pack(const json& j) {
-  std::vector<uint8_t> bytes = json::to_msgpack(j);
-  return zmq::message_t(bytes.data(), bytes.size());
+bool is_str(const msgpack::object& o, const char* s) {
+  const size_t n = std::strlen(s);
+  return o.type == msgpack::type::STR && o.via.str.size == n && std::memcmp(o.via.str.ptr, s, n) == 0;
 }
 
-bool parse_dtype(const std::string& s, DType* d) {
-  if (s == "f32") *d = DType::kF32;
-  else if (s == "i32") *d = DType::kI32;
-  else if (s == "u16") *d = DType::kU16;
-  else return false;
-  return true;
+const msgpack::object* map_get(const msgpack::object& m, const char* key) {
+  for (uint32_t i = 0; i < m.via.map.size; ++i)
+    if (is_str(m.via.map.ptr[i].key, key)) return &m.via.map.ptr[i].val;
+  return nullptr;
 }
 
-uint64_t get_u64(const json& j, const char* key, const char* ctx) {
-  auto it = j.find(key);
-  if (it == j.end() || !it->is_number_unsigned())
-    fail(WireErrc::kMalformed, std::string(ctx) + ": field '" + key + "' missing or not an unsigned integer");
-  return it->get<uint64_t>();
+uint64_t get_u64(const msgpack::object& d, const char* key, const std::string& ctx) {
+  const msgpack::object* v = map_get(d, key);
+  if (!v || v->type != msgpack::type::POSITIVE_INTEGER)
+    fail(WireErrc::kMalformed, ctx + ": field '" + key + "' missing or not an unsigned integer");
+  return v->via.u64;
 }
 
-TensorDesc parse_desc(const json& d, size_t index) {
+TensorDesc parse_desc(const msgpack::object& d, size_t index) {
   const std::string ctx = "tensor " + std::to_string(index);
-  if (!d.is_object()) fail(WireErrc::kMalformed, ctx + ": description is not a map");
+  if (d.type != msgpack::type::MAP) fail(WireErrc::kMalformed, ctx + ": description is not a map");
   TensorDesc t;
-  auto dt = d.find("dtype");
-  if (dt == d.end() || !dt->is_string() || !parse_dtype(dt->get<std::string>(), &t.dtype))
-    fail(WireErrc::kBadTensor, ctx + ": dtype must be one of f32, i32, u16");
-  auto sh = d.find("shape");
-  if (sh == d.end() || !sh->is_array()) fail(WireErrc::kMalformed, ctx + ": shape missing");
-  if (sh->size() > limits::kMaxTensorRank) fail(WireErrc::kTooLarge, ctx + ": rank over the limit");
+  const msgpack::object* dt = map_get(d, "dtype");
+  if (!dt) fail(WireErrc::kBadTensor, ctx + ": dtype must be one of f32, i32, u16");
+  if (is_str(*dt, "f32")) t.dtype = DType::kF32;
+  else if (is_str(*dt, "i32")) t.dtype = DType::kI32;
+  else if (is_str(*dt, "u16")) t.dtype = DType::kU16;
+  else fail(WireErrc::kBadTensor, ctx + ": dtype must be one of f32, i32, u16");
+  const msgpack::object* sh = map_get(d, "shape");
+  if (!sh || sh->type != msgpack::type::ARRAY) fail(WireErrc::kMalformed, ctx + ": shape missing");
+  if (sh->via.array.size > limits::kMaxTensorRank) fail(WireErrc::kTooLarge, ctx + ": rank over the limit");
   int64_t numel = 1;
-  for (const auto& v : *sh) {
-    if (!v.is_number_unsigned()) fail(WireErrc::kBadTensor, ctx + ": shape entries must be non-negative integers");
-    uint64_t n = v.get<uint64_t>();
+  for (uint32_t i = 0; i < sh->via.array.size; ++i) {
+    const msgpack::object& v = sh->via.array.ptr[i];
+    if (v.type != msgpack::type::POSITIVE_INTEGER) fail(WireErrc::kBadTensor, ctx + ": shape entries must be non-negative integers");
+    const uint64_t n = v.via.u64;
     if (n > uint64_t(limits::kMaxTensorElements)) fail(WireErrc::kTooLarge, ctx + ": dimension over the limit");
     numel *= int64_t(n);
     if (numel > limits::kMaxTensorElements) fail(WireErrc::kTooLarge, ctx + ": more elements than the limit");
     t.shape.push_back(int64_t(n));
   }
-  auto cd = d.find("codec");
-  if (cd == d.end() || !cd->is_string()) fail(WireErrc::kMalformed, ctx + ": codec missing");
-  const std::string codec = cd->get<std::string>();
+  const msgpack::object* cd = map_get(d, "codec");
+  if (!cd || cd->type != msgpack::type::STR) fail(WireErrc::kMalformed, ctx + ": codec missing");
+  if (cd->via.str.size > compression::kMaxCodecTextBytes) fail(WireErrc::kBadTensor, ctx + ": codec text over the limit");
+  const std::string codec(cd->via.str.ptr, cd->via.str.size);
   size_t expected = 0;
   if (t.dtype == DType::kF32) {
     try {
       t.codec = compression::parse_codec(codec);
+      expected = compression::encoded_bytes(t.codec, numel);
     } catch (const InputError& e) {
       fail(WireErrc::kBadTensor, ctx + ": " + e.what());
     }
-    expected = compression::encoded_bytes(t.codec, numel);
   } else {
     if (codec != "raw") fail(WireErrc::kBadTensor, ctx + ": integer tensors travel with codec 'raw'");
     expected = size_t(numel) * dtype_bytes(t.dtype);
   }
-  t.nbytes = get_u64(d, "nbytes", ctx.c_str());
-  t.checksum = get_u64(d, "xxh64", ctx.c_str());
+  t.nbytes = get_u64(d, "nbytes", ctx);
+  t.checksum = get_u64(d, "xxh64", ctx);
   if (t.nbytes > limits::kMaxTensorBytes) fail(WireErrc::kTooLarge, ctx + ": payload over the limit");
   if (t.nbytes != expected)
     fail(WireErrc::kBadTensor, ctx + ": " + std::to_string(t.nbytes) + " bytes declared but codec " + codec +
                                    " with " + std::to_string(numel) + " elements needs " + std::to_string(expected));
-  if (t.dtype == DType::kF32 && t.codec.zstd) {
-    t.zbytes = get_u64(d, "zbytes", ctx.c_str());
+  const bool zstd = t.dtype == DType::kF32 && t.codec.zstd;
+  if (zstd) {
+    t.zbytes = get_u64(d, "zbytes", ctx);
     if (t.zbytes == 0 || t.zbytes > ZSTD_compressBound(t.nbytes))
       fail(WireErrc::kBadTensor, ctx + ": zstd frame of " + std::to_string(t.zbytes) + " bytes for a payload of " + std::to_string(t.nbytes));
+  } else if (map_get(d, "zbytes")) {
+    fail(WireErrc::kBadTensor, ctx + ": zbytes given for codec " + codec + ", which is not zstd-packed (entropy=zstd)");
   }
   return t;
 }
 
-json desc_json(const TensorDesc& t) {
-  json shape = json::array();
-  for (int64_t v : t.shape) shape.push_back(uint64_t(v));
-  json j{{"dtype", dtype_name(t.dtype)},
-              {"shape", shape},
-              {"codec", t.dtype == DType::kF32 ? t.codec.name() : std::string("raw")},
-              {"nbytes", t.nbytes},
-              {"xxh64", t.checksum}};
-  if (t.dtype == DType::kF32 && t.codec.zstd) j["zbytes"] = t.zbytes;
-  return j;
+void pack_str(msgpack::packer<msgpack::sbuffer>& pk, const char* s) {
+  const size_t n = std::strlen(s);
+  pk.pack_str(uint32_t(n));
+  pk.pack_str_body(s, uint32_t(n));
 }
+
+// Keys in sorted order, as the protocol's worked example shows them.
+void pack_desc(msgpack::packer<msgpack::sbuffer>& pk, const TensorDesc& t) {
+  const bool zstd = t.dtype == DType::kF32 && t.codec.zstd;
+  pk.pack_map(zstd ? 6 : 5);
+  pack_str(pk, "codec");
+  const std::string codec = t.dtype == DType::kF32 ? t.codec.name() : std::string("raw");
+  pk.pack_str(uint32_t(codec.size()));
+  pk.pack_str_body(codec.data(), uint32_t(codec.size()));
+  pack_str(pk, "dtype");
+  pack_str(pk, dtype_name(t.dtype));
+  pack_str(pk, "nbytes");
+  pk.pack(t.nbytes);
+  pack_str(pk, "shape");
+  pk.pack_array(uint32_t(t.shape.size()));
+  for (int64_t v : t.shape) pk.pack(uint64_t(v));
+  pack_str(pk, "xxh64");
+  pk.pack(t.checksum);
+  if (zstd) {
+    pack_str(pk, "zbytes");
+    pk.pack(t.zbytes);
+  }
+}
+
+// The entries of a packed map (after its header) and their count.
+std::pair<uint32_t, size_t> map_header(const std::string& body) {
+  if (body.empty()) return {0, 0};
+  const auto b = uint8_t(body[0]);
+  if ((b & 0xf0u) == 0x80u) return {b & 0x0fu, 1};
+  if (b == 0xde && body.size() >= 3) return {(uint32_t(uint8_t(body[1])) << 8) | uint8_t(body[2]), 3};
+  if (b == 0xdf && body.size() >= 5)
+    return {(uint32_t(uint8_t(body[1])) << 24) | (uint32_t(uint8_t(body[2])) << 16) | (uint32_t(uint8_t(body[3])) << 8) | uint8_t(body[4]), 5};
+  SWARM_CHECK(false, "a message body is not a msgpack map");
+}
+
+zmq::message_t to_frame(const msgpack::sbuffer& b) { return zmq::message_t(b.data(), b.size()); }
 
 }  // namespace
 
@@ -178,6 +185,8 @@ const char* msg_type_name(MsgType t) {
     case MsgType::kStateRequest: return "STATE_REQUEST";
     case MsgType::kStateReply: return "STATE_REPLY";
     case MsgType::kStateLoad: return "STATE_LOAD";
+    case MsgType::kRoundReduce: return "ROUND_REDUCE";
+    case MsgType::kRoundReduced: return "ROUND_REDUCED";
     case MsgType::kSubmit: return "SUBMIT";
     case MsgType::kSubmitted: return "SUBMITTED";
     case MsgType::kStatus: return "STATUS";
@@ -191,8 +200,27 @@ const char* msg_type_name(MsgType t) {
   return "?";
 }
 
-bool known_type(int t) {
-  return std::string(msg_type_name(static_cast<MsgType>(t))) != "?";
+bool known_type(int t) { return t > 0 && t <= 1000 && std::strcmp(msg_type_name(static_cast<MsgType>(t)), "?") != 0; }
+
+size_t max_tensors(MsgType t) {
+  switch (t) {
+    case MsgType::kForward: case MsgType::kResult: case MsgType::kRoundDelta: case MsgType::kRoundApply:
+    case MsgType::kRoundReduced:
+      return 1;
+    case MsgType::kForwardLoss: case MsgType::kBackward: case MsgType::kEval: return 2;
+    case MsgType::kStateReply: case MsgType::kStateLoad: return 5;
+    case MsgType::kRoundReduce: return limits::kMaxFrames - 2;
+    default: return 0;
+  }
+}
+
+size_t max_body_bytes(MsgType t) {
+  switch (t) {
+    case MsgType::kSubmit: case MsgType::kLoadStage: case MsgType::kStatusReply: case MsgType::kPeersReply:
+    case MsgType::kRoundReduce:
+      return limits::kMaxBodyBytes;
+    default: return limits::kMaxSmallBodyBytes;
+  }
 }
 
 const char* dtype_name(DType d) {
@@ -213,6 +241,12 @@ int64_t TensorDesc::numel() const {
 }
 
 uint64_t checksum(const void* data, size_t n) { return XXH3_64bits(data, n); }
+
+Message json_message(MsgType t, uint64_t id, uint32_t attempt, const nlohmann::json& body) {
+  return Message(t, id, attempt, pack_json(body.is_null() ? nlohmann::json::object() : body));
+}
+
+nlohmann::json body_json(const Message& m) { return unpack_json(m.body, msg_type_name(m.type)); }
 
 Tensor make_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec, size_t nbytes) {
   Tensor t;
@@ -244,49 +278,93 @@ Tensor share(Tensor& t) {
   return c;
 }
 
-Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
+Envelope peek_envelope(const std::vector<zmq::message_t>& frames) {
   if (frames.size() < 2) fail(WireErrc::kTruncated, "a message needs an envelope and a body frame, got " + std::to_string(frames.size()) + " frame(s)");
   if (frames.size() > limits::kMaxFrames) fail(WireErrc::kTooLarge, "more frames than the limit");
   if (frames[0].size() > limits::kMaxEnvelopeBytes) fail(WireErrc::kTooLarge, "envelope over the limit");
-  if (frames[1].size() > limits::kMaxBodyBytes) fail(WireErrc::kTooLarge, "body over the limit");
+  msgpack::object_handle oh = unpack_frame(frames[0], "envelope");
+  const msgpack::object& e = oh.get();
+  if (e.type != msgpack::type::ARRAY || e.via.array.size != 5 || e.via.array.ptr[0].type != msgpack::type::STR)
+    fail(WireErrc::kBadMagic, "frame 0 is not a swarm envelope [magic, version, type, id, attempt]");
+  const msgpack::object* a = e.via.array.ptr;
+  if (!is_str(a[0], kMagic)) fail(WireErrc::kBadMagic, "bad magic (expected \"SWRM\")");
+  if (a[1].type != msgpack::type::POSITIVE_INTEGER || a[1].via.u64 != uint64_t(kVersion))
+    fail(WireErrc::kBadVersion, "protocol version " + (a[1].type == msgpack::type::POSITIVE_INTEGER ? std::to_string(a[1].via.u64) : std::string("?")) +
+                                    " is not supported (this side speaks " + std::to_string(kVersion) + ")");
+  if (a[2].type != msgpack::type::POSITIVE_INTEGER || a[2].via.u64 > 1000 || !known_type(int(a[2].via.u64)))
+    fail(WireErrc::kUnknownType, "unknown message type " + (a[2].type == msgpack::type::POSITIVE_INTEGER ? std::to_string(a[2].via.u64) : std::string("?")));
+  if (a[3].type != msgpack::type::POSITIVE_INTEGER || a[4].type != msgpack::type::POSITIVE_INTEGER || a[4].via.u64 > UINT32_MAX)
+    fail(WireErrc::kMalformed, "envelope id and attempt must be unsigned integers");
+  Envelope env;
+  env.type = static_cast<MsgType>(a[2].via.u64);
+  env.id = a[3].via.u64;
+  env.attempt = uint32_t(a[4].via.u64);
+  return env;
+}
+
+Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
+  const Envelope env = peek_envelope(frames);
+  const size_t ntensors = frames.size() - 2;
+  if (ntensors > max_tensors(env.type))
+    fail(WireErrc::kMalformed, std::string(msg_type_name(env.type)) + " carries at most " + std::to_string(max_tensors(env.type)) +
+                                   " tensor(s), got " + std::to_string(ntensors));
+  if (frames[1].size() > max_body_bytes(env.type))
+    fail(WireErrc::kTooLarge, std::string(msg_type_name(env.type)) + " body of " + std::to_string(frames[1].size()) +
+                                  " bytes is over its limit of " + std::to_string(max_body_bytes(env.type)));
   size_t total = 0;
   for (const auto& f : frames) total += f.size();
   if (total > limits::kMaxMessageBytes) fail(WireErrc::kTooLarge, "message over the limit");
 
-  json env = unpack_frame(frames[0], "envelope");
-  if (!env.is_array() || env.size() != 5 || !env[0].is_string())
-    fail(WireErrc::kBadMagic, "frame 0 is not a swarm envelope [magic, version, type, id, attempt]");
-  if (env[0].get<std::string>() != kMagic) fail(WireErrc::kBadMagic, "bad magic (expected \"SWRM\")");
-  if (!env[1].is_number_unsigned() || env[1].get<uint64_t>() != uint64_t(kVersion))
-    fail(WireErrc::kBadVersion, "protocol version " + env[1].dump() + " is not supported (this side speaks " + std::to_string(kVersion) + ")");
-  if (!env[2].is_number_unsigned() || env[2].get<uint64_t>() > 1000 || !known_type(int(env[2].get<uint64_t>())))
-    fail(WireErrc::kUnknownType, "unknown message type " + env[2].dump());
-  if (!env[3].is_number_unsigned() || !env[4].is_number_unsigned() || env[4].get<uint64_t>() > UINT32_MAX)
-    fail(WireErrc::kMalformed, "envelope id and attempt must be unsigned integers");
-
-  Message m;
-  m.type = static_cast<MsgType>(env[2].get<uint64_t>());
-  m.id = env[3].get<uint64_t>();
-  m.attempt = uint32_t(env[4].get<uint64_t>());
-  m.body = unpack_frame(frames[1], "body");
-  if (!m.body.is_object()) fail(WireErrc::kMalformed, "body is not a map");
-
-  const size_t ntensors = frames.size() - 2;
-  auto it = m.body.find("tensors");
-  if (it == m.body.end()) {
+  Message m(env.type, env.id, env.attempt);
+  msgpack::object_handle oh = unpack_frame(frames[1], "body");
+  const msgpack::object& body = oh.get();
+  if (body.type != msgpack::type::MAP) fail(WireErrc::kMalformed, "body is not a map");
+  const msgpack::object* descs = nullptr;
+  for (uint32_t i = 0; i < body.via.map.size; ++i) {
+    const auto& kv = body.via.map.ptr[i];
+    if (kv.key.type != msgpack::type::STR) fail(WireErrc::kMalformed, "body key is not a string");
+    if (is_str(kv.key, "tensors")) descs = &kv.val;
+  }
+  if (!descs) {
     if (ntensors != 0) fail(WireErrc::kMalformed, std::to_string(ntensors) + " tensor frame(s) but no descriptions in the body");
+    m.body.assign(static_cast<const char*>(frames[1].data()), frames[1].size());
     return m;
   }
-  if (!it->is_array()) fail(WireErrc::kMalformed, "body.tensors is not an array");
-  if (it->size() != ntensors)
-    fail(WireErrc::kTruncated, "body describes " + std::to_string(it->size()) + " tensor(s) but " + std::to_string(ntensors) + " frame(s) follow");
+  if (descs->type != msgpack::type::ARRAY) fail(WireErrc::kMalformed, "body.tensors is not an array");
+  if (descs->via.array.size != ntensors)
+    fail(WireErrc::kTruncated, "body describes " + std::to_string(descs->via.array.size) + " tensor(s) but " + std::to_string(ntensors) + " frame(s) follow");
+  // Every description is checked, and their declared sizes summed, before anything is unpacked.
+  std::vector<TensorDesc> parsed;
+  parsed.reserve(ntensors);
+  uint64_t declared = 0;
+  for (size_t i = 0; i < ntensors; ++i) {
+    parsed.push_back(parse_desc(descs->via.array.ptr[i], i));
+    declared += parsed.back().nbytes;
+    if (declared > limits::kMaxMessageBytes)
+      fail(WireErrc::kTooLarge, "tensors 0.." + std::to_string(i) + " declare " + std::to_string(declared) +
+                                    " bytes together, over the message limit of " + std::to_string(limits::kMaxMessageBytes));
+    if (frames[i + 2].size() != parsed.back().wire_bytes())
+      fail(WireErrc::kTruncated, "tensor " + std::to_string(i) + ": frame has " + std::to_string(frames[i + 2].size()) +
+                                     " bytes, description says " + std::to_string(parsed.back().wire_bytes()));
+  }
+  // The body without its tensor descriptions.
+  {
+    msgpack::sbuffer buf;
+    msgpack::packer<msgpack::sbuffer> pk(buf);
+    pk.pack_map(body.via.map.size - 1);
+    for (uint32_t i = 0; i < body.via.map.size; ++i) {
+      const auto& kv = body.via.map.ptr[i];
+      if (&kv.val == descs) continue;
+      pk.pack(kv.key);
+      pk.pack(kv.val);
+    }
+    m.body.assign(buf.data(), buf.size());
+  }
   m.tensors.reserve(ntensors);
   for (size_t i = 0; i < ntensors; ++i) {
     Tensor t;
-    t.desc = parse_desc((*it)[i], i);
+    t.desc = std::move(parsed[i]);
     zmq::message_t& f = frames[i + 2];
-    if (f.size() != t.desc.wire_bytes())
-      fail(WireErrc::kTruncated, "tensor " + std::to_string(i) + ": frame has " + std::to_string(f.size()) + " bytes, description says " + std::to_string(t.desc.wire_bytes()));
     if (t.desc.zbytes) {
       zmq::message_t raw(t.desc.nbytes);
       const size_t got = ZSTD_decompress(raw.data(), raw.size(), f.data(), f.size());
@@ -300,18 +378,13 @@ Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
     t.data = std::move(f);
     m.tensors.push_back(std::move(t));
   }
-  m.body.erase("tensors");
   return m;
 }
 
 std::optional<uint64_t> peek_id(const std::vector<zmq::message_t>& frames) {
-  if (frames.empty() || frames[0].size() > limits::kMaxEnvelopeBytes) return std::nullopt;
+  if (frames.size() < 2) return std::nullopt;
   try {
-    json env = unpack_frame(frames[0], "envelope");
-    if (!env.is_array() || env.size() != 5 || !env[0].is_string() || env[0].get<std::string>() != kMagic ||
-        !env[3].is_number_unsigned())
-      return std::nullopt;
-    return env[3].get<uint64_t>();
+    return peek_envelope(frames).id;
   } catch (const WireError&) {
     return std::nullopt;
   }
@@ -320,18 +393,33 @@ std::optional<uint64_t> peek_id(const std::vector<zmq::message_t>& frames) {
 std::vector<zmq::message_t> encode(Message& m) {
   std::vector<zmq::message_t> frames;
   frames.reserve(2 + m.tensors.size());
-  frames.push_back(pack(json::array({kMagic, kVersion, int(m.type), m.id, m.attempt})));
+  {
+    msgpack::sbuffer b;
+    msgpack::packer<msgpack::sbuffer> pk(b);
+    pk.pack_array(5);
+    pack_str(pk, kMagic);
+    pk.pack(kVersion);
+    pk.pack(int(m.type));
+    pk.pack(m.id);
+    pk.pack(m.attempt);
+    frames.push_back(to_frame(b));
+  }
   if (m.tensors.empty()) {
-    frames.push_back(pack(m.body));
+    if (m.body.empty()) frames.emplace_back("\x80", 1);
+    else frames.emplace_back(m.body.data(), m.body.size());
   } else {
-    json descs = json::array();
+    const auto [count, head] = map_header(m.body);
+    msgpack::sbuffer b(m.body.size() + 96 * m.tensors.size() + 16);
+    msgpack::packer<msgpack::sbuffer> pk(b);
+    pk.pack_map(count + 1);
+    b.write(m.body.data() + head, m.body.size() - head);
+    pack_str(pk, "tensors");
+    pk.pack_array(uint32_t(m.tensors.size()));
     for (auto& t : m.tensors) {
       compress(t);
-      descs.push_back(desc_json(t.desc));
+      pack_desc(pk, t.desc);
     }
-    m.body["tensors"] = std::move(descs);
-    frames.push_back(pack(m.body));
-    m.body.erase("tensors");
+    frames.push_back(to_frame(b));
   }
   for (auto& t : m.tensors) frames.push_back(std::move(t.data));
   m.tensors.clear();
@@ -363,8 +451,7 @@ std::optional<Received> recv_frames(zmq::socket_t& s, bool with_route, zmq::recv
   return r;
 }
 
-bool send(zmq::socket_t& s, Message& m, const std::string* route) {
-  std::vector<zmq::message_t> frames = encode(m);
+bool send_frames(zmq::socket_t& s, std::vector<zmq::message_t>& frames, const std::string* route) {
   try {
     if (route) {
       if (!s.send(zmq::buffer(*route), zmq::send_flags::sndmore | zmq::send_flags::dontwait)) return false;
@@ -380,11 +467,9 @@ bool send(zmq::socket_t& s, Message& m, const std::string* route) {
   return true;
 }
 
-Message error_reply(const Message* req, WireErrc code, const std::string& text) {
-  Message e(MsgType::kError, req ? req->id : 0, req ? req->attempt : 0,
-            json{{"code", int(code)}, {"name", wire_errc_name(code)}, {"message", text}});
-  if (req) e.body["request_type"] = int(req->type);
-  return e;
+bool send(zmq::socket_t& s, Message& m, const std::string* route) {
+  std::vector<zmq::message_t> frames = encode(m);
+  return send_frames(s, frames, route);
 }
 
 }  // namespace swarm::wire

@@ -4,10 +4,13 @@
 // attempt]; frame 1, the body, a msgpack map; frames 2.., raw tensor payloads, each described
 // in body["tensors"][i] by dtype, shape, codec, byte length and XXH3-64 checksum.
 //
-// Defines swarm::wire::Message (envelope + JSON-like body + tensors), `encode` (Message ->
+// Defines swarm::wire::Message (envelope + msgpack body bytes + tensors), `encode` (Message ->
 // frames), `decode` (frames -> Message, validating every limit of runtime/limits.h before it
-// allocates, throwing WireError), and `send`/`recv` over a zmq socket. Tensor payloads are
-// zmq::message_t, so a router forwards them without copying (zmq_msg_copy shares the buffer).
+// allocates, throwing WireError), `peek_envelope` (the envelope alone, before anything else is
+// parsed) and `send`/`recv_frames` over a zmq socket. A body is read into a typed struct with
+// runtime/messages.h; body_json/json_message are for the few places that want JSON (clients,
+// logs, tests). Tensor payloads are zmq::message_t, so a payload is forwarded without copying
+// (zmq_msg_copy shares the buffer).
 #pragma once
 
 #include <cstdint>
@@ -18,7 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
 
-#include "compression/codec.h"
+#include "runtime/codec_spec.h"
 #include "runtime/errors.h"
 
 namespace swarm::wire {
@@ -29,33 +32,35 @@ constexpr int kVersion = 1;
 enum class MsgType : int {
   // Session (both directions).
   kHello = 1,       // first message of every session: {role, version, peer fields...}
-  kWelcome = 2,     // router -> HELLO sender: {peer_id, heartbeat_ms, stage?}
-  kHeartbeat = 3,   // peer -> router: {stage, busy, throughput...}; router -> peer: liveness
+  kWelcome = 2,     // router -> HELLO sender: {peer_id, heartbeat_ms, liveness}
+  kHeartbeat = 3,   // peer -> router: {stage, ready, queue, ms_per_unit...}; router -> peer: liveness
   kBye = 4,         // either side: clean goodbye
   kError = 5,       // {code, name, message}; id/attempt echo the offending request
   // Router -> stage server.
   kLoadStage = 10,  // {job_id, stage, spec}; reply kStageReady
-  kStageReady = 11, // {job_id, stage, params, device, fwd_ms}
+  kStageReady = 11, // {job_id, stage, params, fwd_ms, hash}
   kForward = 20,    // tensors [input]; reply kResult tensors [output]
   kForwardLoss = 21,// last stage: tensors [input, targets]; reply kResult {loss} tensors [grad_input?]
   kBackward = 22,   // tensors [input, grad_output]; reply kResult tensors [grad_input?]
   kEval = 23,       // forward only; last stage: tensors [input, targets] -> {loss}; else [output]
-  kResult = 24,     // reply to 20..23: {mb, stage, samples, compute_ms, loss?, cached?}
-  kStep = 25,       // sync schedule: {samples} -> take an optimizer step now; reply kResult
-  kRoundBegin = 30, // {round, stage}: send your outer gradient; reply kRoundDelta
-  kRoundDelta = 31, // {round, samples, codec}; tensors [delta] (flat fp32 of all parameters)
-  kRoundApply = 32, // {round, contributors, outer_lr...}; tensors [mean delta] -> apply; reply kRoundDone
-  kRoundDone = 33,  // {round, hash}
+  kResult = 24,     // reply to 20..23 and 25: {mb, stage, samples, compute_ms, loss?, cached?}
+  kStep = 25,       // sync schedule: take an optimizer step now; reply kResult
+  kRoundBegin = 30, // {round, stage, what, fragment, fragments}: send your outer gradient; reply kRoundDelta
+  kRoundDelta = 31, // {round, stage, what}; tensors [delta or gradient sum]
+  kRoundApply = 32, // {round, what, samples...}; tensors [group mean or sum] -> apply; reply kRoundDone
+  kRoundDone = 33,  // {round, stage, hash}
   kStateRequest = 34, // router -> donor: send theta_g and outer momentum; reply kStateReply
-  kStateReply = 35,   // tensors [theta_g, momentum] and {round}
-  kStateLoad = 36,    // router -> joiner: tensors [theta_g, momentum]; reply kRoundDone
+  kStateReply = 35,   // tensors [theta_g, momentum (, theta, adam_m, adam_v)]
+  kStateLoad = 36,    // router -> joiner: the same tensors; reply kRoundDone
+  kRoundReduce = 37,  // router -> the round's reducer: {weights}; tensors [every member's outer gradient]
+  kRoundReduced = 38, // reducer -> router: tensors [the group's mean or sum]
   // Client (CLI) -> router.
-  kSubmit = 50,     // {spec}; reply kSubmitted {job_id} or kError
+  kSubmit = 50,     // {spec, resume?} or {bench_transport}; reply kSubmitted {job_id} or kError
   kSubmitted = 51,
   kStatus = 52,     // {job_id?}; reply kStatusReply {...}
   kStatusReply = 53,
   kCancel = 54,     // {job_id}; reply kStatusReply
-  kPeers = 55,      // reply kPeersReply {peers: [...]}
+  kPeers = 55,      // {offset?, limit?}; reply kPeersReply {peers: [...], total, offset}
   kPeersReply = 56,
   kChaos = 57,      // client -> router {peer, fault}: inject a fault into a live peer; the router
                     // checks the spec, forwards {fault} to the peer and replies kChaosReply {peer}
@@ -63,6 +68,10 @@ enum class MsgType : int {
 };
 const char* msg_type_name(MsgType t);
 bool known_type(int t);
+// How many tensor frames a message of type t may carry, and how large its body frame may be:
+// checked by `decode` before anything of the message is parsed or unpacked.
+size_t max_tensors(MsgType t);
+size_t max_body_bytes(MsgType t);
 
 enum class DType : int { kF32 = 0, kI32 = 1, kU16 = 2 };
 const char* dtype_name(DType d);
@@ -93,16 +102,24 @@ struct Message {
   MsgType type = MsgType::kHeartbeat;
   uint64_t id = 0;        // request id, echoed by its reply
   uint32_t attempt = 0;   // attempt number of the request, echoed by its reply
-  nlohmann::json body = nlohmann::json::object();
+  // The body: one msgpack map with string keys, without the "tensors" descriptions (the wire
+  // layer adds and removes them). Empty means the empty map. Read it with runtime/messages.h.
+  std::string body;
   std::vector<Tensor> tensors;
 
   Message() = default;
-  Message(MsgType t, uint64_t id_ = 0, uint32_t attempt_ = 0,
-          nlohmann::json b = nlohmann::json::object())
-      : type(t), id(id_), attempt(attempt_), body(std::move(b)) {}
+  Message(MsgType t, uint64_t id_ = 0, uint32_t attempt_ = 0, std::string body_ = {})
+      : type(t), id(id_), attempt(attempt_), body(std::move(body_)) {}
+  // Bodies are msgpack (runtime/messages.h, or json_message for JSON): never a JSON object by accident.
+  Message(MsgType, uint64_t, uint32_t, const nlohmann::json&) = delete;
   Message(Message&&) = default;
   Message& operator=(Message&&) = default;
 };
+
+// A message whose body is a JSON object (clients; tests), and a body read back as JSON (with
+// the decoder's limits on nesting and sizes; throws WireError).
+Message json_message(MsgType t, uint64_t id, uint32_t attempt, const nlohmann::json& body);
+nlohmann::json body_json(const Message& m);
 
 uint64_t checksum(const void* data, size_t n);
 
@@ -117,9 +134,19 @@ Tensor share(Tensor& t);
 // best compressed once, before it is shared. `decode` unpacks, so receivers see the codec's bytes.
 void compress(Tensor& t);
 
-// Frames -> Message. Validates magic, version, type, frame counts, sizes against limits,
-// every tensor description against its frame and codec, and checksums (when verify is true).
-// Throws WireError; never crashes on any input.
+// The envelope of a message, parsed alone: a receiver decides from it whether to parse the rest
+// (the router takes nothing but HELLO from a routing id it does not know). Throws WireError.
+struct Envelope {
+  MsgType type = MsgType::kHeartbeat;
+  uint64_t id = 0;
+  uint32_t attempt = 0;
+};
+Envelope peek_envelope(const std::vector<zmq::message_t>& frames);
+
+// Frames -> Message. Validates magic, version, type, frame counts, sizes against limits (the
+// sum of every tensor's declared size too, before any is unpacked), every tensor description
+// against its frame and codec, and checksums (when verify is true). Throws WireError; never
+// crashes on any input.
 Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums = true);
 // The request id of a message that failed to decode, when at least its envelope is sound
 // (e.g. a tensor frame failed its checksum): the router re-sends that request at once.
@@ -129,7 +156,7 @@ std::vector<zmq::message_t> encode(Message& m);
 
 // Receives one multipart message. With a ROUTER socket the first frame is the sender's
 // routing id, returned in `route`. Returns nullopt when nothing arrived (non-blocking sockets
-// or timeouts). Throws WireError for what cannot be parsed; the frames are consumed either way.
+// or timeouts). The frames are consumed either way.
 struct Received {
   std::string route;
   std::vector<zmq::message_t> frames;
@@ -138,8 +165,7 @@ std::optional<Received> recv_frames(zmq::socket_t& s, bool with_route, zmq::recv
 // Sends m (prefixing the routing id when `route` is non-null). Returns false when the peer is
 // unreachable (ROUTER_MANDATORY) or the send would block.
 bool send(zmq::socket_t& s, Message& m, const std::string* route = nullptr);
-
-// An ERROR message answering `req`.
-Message error_reply(const Message* req, WireErrc code, const std::string& text);
+// Sends already encoded frames the same way.
+bool send_frames(zmq::socket_t& s, std::vector<zmq::message_t>& frames, const std::string* route = nullptr);
 
 }  // namespace swarm::wire

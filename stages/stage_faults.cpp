@@ -191,11 +191,8 @@ int StageFaults::poll_ms(int ms) const {
   return ms;
 }
 
-void StageFaults::add_live(const nlohmann::json& body) {
-  auto it = body.find("fault");
-  if (it == body.end())
-    throw InputError("CHAOS needs \"fault\": a spec string such as \"slow,factor=4\" or an object {\"action\": ...}");
-  const FaultSpec s = parse_fault_json(*it);
+void StageFaults::add_live(const nlohmann::json& fault) {
+  const FaultSpec s = parse_fault_json(fault);
   inj_.add(s, requests_);
   log_warn("fault", "fault added by the router: " + to_string(s));
 }

@@ -59,8 +59,8 @@ class StageFaults {
   std::vector<Frames> due_outgoing();
   // The I/O thread's poll timeout: `ms`, or less when a delayed message is due sooner.
   int poll_ms(int ms) const;
-  // CHAOS from the router: body {"fault": "SPEC"} or {"fault": {...}}. Throws InputError.
-  void add_live(const nlohmann::json& body);
+  // CHAOS from the router: its fault, "SPEC" or {...}. Throws InputError.
+  void add_live(const nlohmann::json& fault);
   uint64_t requests() const { return requests_; }
 
   // ---- compute thread ----

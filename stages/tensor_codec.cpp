@@ -3,6 +3,8 @@
 
 #include <cstring>
 
+#include "compression/codec.h"
+
 namespace swarm {
 
 wire::Tensor to_wire(const torch::Tensor& in, const compression::CodecSpec& codec) {

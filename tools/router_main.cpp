@@ -1,9 +1,9 @@
-// router_main.cpp: swarm-router, one per swarm (see router/router.h and README's CLI section).
+// router_main.cpp: swarm-router, one per swarm (see router/server.h and README's CLI section).
 #include <csignal>
 
 #include <CLI/CLI.hpp>
 
-#include "router/router.h"
+#include "router/server.h"
 #include "runtime/log.h"
 
 namespace {
@@ -12,23 +12,27 @@ void on_signal(int) { g_stop = true; }
 }  // namespace
 
 int main(int argc, char** argv) {
-  swarm::RouterOptions opt;
+  swarm::router::ServerOptions opt;
   CLI::App app{"swarm-router: registers stage servers and drives training jobs through them"};
   app.add_option("--bind", opt.bind, "ZeroMQ endpoint to listen on (tcp://127.0.0.1:* picks a free port)")->capture_default_str();
-  app.add_option("--heartbeat-ms", opt.heartbeat_ms, "peer heartbeat interval")->capture_default_str()->check(CLI::Range(10, 60000));
-  app.add_option("--liveness", opt.liveness, "heartbeats missed before a peer is declared dead")->capture_default_str()->check(CLI::Range(1, 100));
+  app.add_option("--heartbeat-ms", opt.core.heartbeat_ms, "peer heartbeat interval")->capture_default_str()->check(CLI::Range(10, 60000));
+  app.add_option("--liveness", opt.core.liveness, "heartbeats missed before a peer is declared dead")->capture_default_str()->check(CLI::Range(1, 100));
   app.add_option("--ready-file", opt.ready_file, "write the bound endpoint to this file once listening");
-  app.add_option("--state-dir", opt.state_dir,
+  app.add_option("--state-dir", opt.core.state_dir,
                  "keep jobs and their checkpoints here; a restarted router continues unfinished jobs from it");
-  app.add_option("--quarantine-after", opt.quarantine_after,
+  app.add_option("--quarantine-after", opt.core.quarantine_after,
                  "integrity failures (corrupt, misshapen or non-finite outputs) before a peer is quarantined")
       ->capture_default_str()->check(CLI::Range(1, 1000000));
+  app.add_option("--max-data-bytes", opt.max_data_bytes, "the most bytes of data files one job may load")
+      ->capture_default_str()->check(CLI::Range(uint64_t(1), uint64_t(1) << 40));
+  app.add_option("--max-peers", opt.core.max_peers, "stage servers registered at once")
+      ->capture_default_str()->check(CLI::Range(size_t(1), size_t(1) << 20));
   CLI11_PARSE(app, argc, argv);
   std::signal(SIGTERM, on_signal);
   std::signal(SIGINT, on_signal);
   try {
-    swarm::Router router(opt);
-    router.run(g_stop);
+    swarm::router::Server server(opt);
+    server.run(g_stop);
   } catch (const std::exception& e) {
     swarm::log_error("router", e.what());
     return 1;

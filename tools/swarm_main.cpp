@@ -210,7 +210,7 @@ int main(int argc, char** argv) {
     }
     if (*peers) {
       Client c(router);
-      json rep = c.request_body(wire::MsgType::kPeers, json::object());
+      json rep = c.peers();
       if (as_json) {
         std::cout << rep.dump() << std::endl;
       } else {

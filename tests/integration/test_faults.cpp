@@ -24,6 +24,7 @@
 #include <gtest/gtest.h>
 
 #include "runtime/chaos_plan.h"
+#include "runtime/messages.h"
 #include "runtime/wire.h"
 #include "swarm_test_util.h"
 #include "tools/local_swarm.h"
@@ -131,7 +132,7 @@ class FakeRouter {
     auto m = next(30);
     ASSERT_TRUE(m) << "no HELLO from the stage server";
     ASSERT_EQ(m->type, MsgType::kHello);
-    Message w(MsgType::kWelcome, 0, 0, json{{"peer_id", "p-test"}, {"heartbeat_ms", heartbeat_ms}, {"liveness", liveness}});
+    Message w = wire::json_message(MsgType::kWelcome, 0, 0, json{{"peer_id", "p-test"}, {"heartbeat_ms", heartbeat_ms}, {"liveness", liveness}});
     send(w);
   }
 
@@ -141,7 +142,7 @@ class FakeRouter {
   }
   // A request the stage answers with ERROR (no stage is loaded): enough to exercise replies.
   void step(uint64_t id) {
-    Message m(MsgType::kStep, id, 0, json{{"job_id", 1}, {"samples", 4}});
+    Message m = wire::json_message(MsgType::kStep, id, 0, json{{"job_id", 1}, {"samples", 4}});
     send(m);
   }
 
@@ -170,20 +171,51 @@ TEST(StageFaults, ChaosArmsAFaultOrIsRefused) {
   StageProcess stage(r.endpoint(), {}, dir + "/stage.log");
   r.welcome(100, 100);
 
-  Message bad(MsgType::kChaos, 5, 0, json{{"fault", "crash,factr=1"}});
+  Message bad = wire::json_message(MsgType::kChaos, 5, 0, json{{"fault", "crash,factr=1"}});
   r.send(bad);
   auto e = r.next(5);
   ASSERT_TRUE(e);
   ASSERT_EQ(e->type, MsgType::kError);
   EXPECT_EQ(e->id, 5u);
-  EXPECT_NE(e->body.value("message", "").find("unknown key \"factr\""), std::string::npos) << e->body.dump();
+  EXPECT_NE(body_json(*e).value("message", "").find("unknown key \"factr\""), std::string::npos) << body_json(*e).dump();
 
-  Message crash(MsgType::kChaos, 6, 0, json{{"fault", {{"action", "crash"}, {"point", "heartbeat"}}}});
+  Message crash = wire::json_message(MsgType::kChaos, 6, 0, json{{"fault", {{"action", "crash"}, {"point", "heartbeat"}}}});
   r.send(crash);
   EXPECT_EQ(stage.wait_death(5), SIGKILL);
   const std::string log = slurp(dir + "/stage.log");
   EXPECT_NE(log.find("fault added by the router: crash,point=heartbeat"), std::string::npos) << log;
   EXPECT_NE(log.find("fault fired: crash,point=heartbeat"), std::string::npos) << log;
+}
+
+// A WELCOME, ERROR or BYE whose fields have the wrong types used to escape the stage server's
+// I/O loop and end the process: each is now counted, dropped, and the server carries on.
+TEST(StageFaults, MalformedSessionMessagesFromTheRouterAreDropped) {
+  const std::string dir = temp_dir();
+  FakeRouter r;
+  StageProcess stage(r.endpoint(), {}, dir + "/stage.log");
+  r.welcome(100, 100);
+  for (json body : {json{{"heartbeat_ms", "x"}}, json{{"liveness", 1e300}}}) {
+    Message w = wire::json_message(MsgType::kWelcome, 0, 0, body);
+    r.send(w);
+  }
+  Message e = wire::json_message(MsgType::kError, 0, 0, json{{"code", "x"}});
+  r.send(e);
+  Message bye = wire::json_message(MsgType::kBye, 0, 0, json{{"reason", 12}});
+  r.send(bye);
+  // Still alive and heartbeating, with the four counted in its errors.
+  const auto t0 = Clock::now();
+  uint64_t errors = 0;
+  while (since(t0) < 10 && errors < 4) {
+    auto f = r.next_frames(1);
+    ASSERT_TRUE(f) << "the stage server stopped talking";
+    Message m = wire::decode(*f);
+    if (m.type == MsgType::kHeartbeat) errors = msg::read<msg::Heartbeat>(m).errors;
+  }
+  EXPECT_EQ(errors, 4u);
+  EXPECT_EQ(stage.wait_death(0.2), -1) << "the stage server exited";
+  const std::string log = slurp(dir + "/stage.log");
+  EXPECT_NE(log.find("dropped a malformed WELCOME from the router: WELCOME.heartbeat_ms must be an integer"), std::string::npos) << log;
+  EXPECT_NE(log.find("dropped a malformed ERROR from the router: ERROR.code must be an integer"), std::string::npos) << log;
 }
 
 TEST(StageFaults, ZombieHeartbeatsButNeverAnswers) {

@@ -1,6 +1,7 @@
 // test_data.cpp: token data loading (text and bin), the train/val split, the unigram baseline
 // and the deterministic microbatch sampler (runtime/data.h).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -228,4 +229,25 @@ TEST_F(DataTest, SamplerOnAJobSpecSizedSplit) {
   EXPECT_EQ(mb.x, std::vector<int32_t>({6, 7, 8, 9, 6, 7, 8, 9}));
   EXPECT_EQ(mb.y, std::vector<int32_t>({7, 8, 9, 10, 7, 8, 9, 10}));
   EXPECT_THROW(swarm::sample_microbatch(d, Split::kVal, 99, 0, 1, 5), SpecError);
+}
+
+// A job's data is read by the router: a device, a FIFO, or more bytes than the router allows
+// (one large file listed many times) is refused before anything is read, and a FIFO does not
+// block the reader.
+TEST_F(DataTest, OnlyRegularFilesWithinTheByteLimitAreRead) {
+  EXPECT_HAS(load_error(spec("text", {"/dev/zero"}), 4, 256), "\"/dev/zero\" is not a regular file");
+  const std::string fifo = testing::TempDir() + "swarm_data_fifo_" + std::to_string(getpid());
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  files_.push_back(fifo);
+  EXPECT_HAS(load_error(spec("text", {fifo}), 4, 256), "is not a regular file (a device, FIFO or socket)");
+  const std::string p = write("big.txt", counting_text(1000));
+  std::vector<std::string> many(300, p);
+  try {
+    TokenData::load(spec("text", many), 4, 256, /*max_bytes=*/100000);
+    FAIL() << "loaded 300 KB under a 100 KB limit";
+  } catch (const SpecError& e) {
+    EXPECT_HAS(e.what(), "takes the job's data past the limit");
+    EXPECT_HAS(e.what(), "--max-data-bytes");
+  }
+  EXPECT_NO_THROW(TokenData::load(spec("text", {p, p}), 4, 256, /*max_bytes=*/2000));
 }

@@ -336,7 +336,7 @@ TEST(FaultInjector, DrawsDependOnTheSpecIndexAndReachTheHit) {
 }
 
 TEST(FaultFrames, PeekTypeReadsTheEnvelope) {
-  wire::Message m(wire::MsgType::kResult, 5, 1, json{{"mb", 3}});
+  wire::Message m = wire::json_message(wire::MsgType::kResult, 5, 1, json{{"mb", 3}});
   auto frames = wire::encode(m);
   EXPECT_EQ(peek_type(frames), int(wire::MsgType::kResult));
   std::vector<zmq::message_t> junk;
@@ -347,7 +347,7 @@ TEST(FaultFrames, PeekTypeReadsTheEnvelope) {
 
 TEST(FaultFrames, CorruptionIsAlwaysCaughtByTheReceiver) {
   for (uint64_t seed = 0; seed < 200; ++seed) {
-    wire::Message m(wire::MsgType::kResult, 9, 0, json{{"mb", 3}, {"loss", 1.5}});
+    wire::Message m = wire::json_message(wire::MsgType::kResult, 9, 0, json{{"mb", 3}, {"loss", 1.5}});
     std::vector<float> v(100, 0.25f);
     wire::Tensor t = wire::make_tensor(wire::DType::kF32, {100}, compression::CodecSpec{}, v.size() * 4);
     std::memcpy(t.data.data(), v.data(), v.size() * 4);
@@ -367,7 +367,7 @@ TEST(FaultFrames, CorruptionIsAlwaysCaughtByTheReceiver) {
   }
   for (uint64_t seed = 0; seed < 20; ++seed) {
     for (json body : {json::object(), json{{"round", 3}, {"hash", 12345}}}) {
-      wire::Message m(wire::MsgType::kRoundDone, 9, 0, body);
+      wire::Message m = wire::json_message(wire::MsgType::kRoundDone, 9, 0, body);
       auto frames = wire::encode(m);
       corrupt_frames(frames, seed);
       EXPECT_THROW(wire::decode(frames), WireError) << body.dump();

@@ -68,7 +68,7 @@ TEST(JobSpec, DefaultsFromMinimalSpec) {
   EXPECT_EQ(s.name, "job");
   EXPECT_EQ(s.seed, 1u);
   EXPECT_EQ(s.steps, 100);
-  EXPECT_EQ(s.schedule, "async");
+  EXPECT_EQ(s.schedule, swarm::Schedule::kAsync);
   EXPECT_EQ(s.model.vocab_size, 256);
   EXPECT_EQ(s.model.d_model, 128);
   EXPECT_EQ(s.model.n_head, 4);
@@ -122,7 +122,7 @@ TEST(JobSpec, ReadsEveryField) {
                      {"beta2", 0.99}, {"eps", 1e-6}, {"grad_clip", 0.0}}},
       {"diloco", {{"inner_steps", 1}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false},
                   {"deadline_s", 2.5}}},
-      {"compression", {{"activations", "int8:block=64"}, {"gradients", "bf16"}, {"outer", "topk:k=0.01"}}},
+      {"compression", {{"activations", "int8:block=64"}, {"gradients", "bf16"}, {"outer", "topk:fraction=0.01"}}},
       {"eval", {{"every_steps", 3}, {"batches", 2}}},
       {"timeouts", {{"forward_s", 1.5}, {"backward_s", 3.0}, {"max_attempts", 1}}},
   };
@@ -130,7 +130,7 @@ TEST(JobSpec, ReadsEveryField) {
   EXPECT_EQ(s.name, "full");
   EXPECT_EQ(s.seed, 18446744073709551615ull);
   EXPECT_EQ(s.steps, 7);
-  EXPECT_EQ(s.schedule, "sync");
+  EXPECT_EQ(s.schedule, swarm::Schedule::kSync);
   EXPECT_EQ(s.max_inflight, 5);
   EXPECT_EQ(s.model.vocab_size, 50304);
   EXPECT_EQ(s.model.max_seq_len, 64);
@@ -142,7 +142,7 @@ TEST(JobSpec, ReadsEveryField) {
   EXPECT_DOUBLE_EQ(s.optimizer.beta2, 0.99);
   EXPECT_FALSE(s.diloco.nesterov);
   EXPECT_EQ(s.compression.activations, "int8:block=64");
-  EXPECT_EQ(s.compression.outer, "topk:k=0.01");
+  EXPECT_EQ(s.compression.outer, "topk:fraction=0.01");
   EXPECT_EQ(s.eval.every_steps, 3);
   EXPECT_EQ(s.timeouts.max_attempts, 1);
   EXPECT_EQ(s.first_layer(0), 0);
@@ -428,5 +428,18 @@ TEST(JobSpec, BundledExampleParses) {
   // With the data installed (tools/install-deps.sh), the files must be found too.
   if (std::ifstream(s.data.paths[0])) {
     EXPECT_NO_THROW(swarm::parse_job_spec_text(text, true));
+  }
+}
+
+TEST(JobSpec, DataFilesMustBeFewAndRegular) {
+  json j = minimal();
+  j["data"]["path"] = std::vector<std::string>(257, "/etc/hostname");
+  EXPECT_HAS(error_of(j), "has 257 files, over the limit of 256");
+  j["data"]["path"] = "/dev/zero";
+  try {
+    swarm::parse_job_spec(j, /*check_files=*/true);
+    FAIL() << "accepted /dev/zero";
+  } catch (const SpecError& e) {
+    EXPECT_HAS(e.what(), "is not a regular file");
   }
 }

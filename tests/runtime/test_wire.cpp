@@ -1,11 +1,14 @@
 // test_wire.cpp: wire protocol v1 round trips and the rejection of every kind of bad message.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <random>
 
 #include <msgpack.hpp>
 
+#include "compression/codec.h"
 #include "runtime/limits.h"
+#include "runtime/messages.h"
 #include "runtime/wire.h"
 
 using namespace swarm;
@@ -40,7 +43,7 @@ WireErrc code_of(std::vector<zmq::message_t>& frames) {
 }  // namespace
 
 TEST(Wire, RoundTripWithTensors) {
-  Message m(MsgType::kForward, 42, 3, json{{"job_id", 7}, {"mb", 9}});
+  Message m = wire::json_message(MsgType::kForward, 42, 3, json{{"job_id", 7}, {"mb", 9}});
   m.tensors.push_back(f32_tensor({1, 2, 3, 4, 5, 6}, {2, 3}));
   auto frames = frames_of(std::move(m));
   ASSERT_EQ(frames.size(), 3u);
@@ -48,8 +51,8 @@ TEST(Wire, RoundTripWithTensors) {
   EXPECT_EQ(d.type, MsgType::kForward);
   EXPECT_EQ(d.id, 42u);
   EXPECT_EQ(d.attempt, 3u);
-  EXPECT_EQ(d.body["mb"], 9);
-  EXPECT_FALSE(d.body.contains("tensors"));
+  EXPECT_EQ(body_json(d)["mb"], 9);
+  EXPECT_FALSE(body_json(d).contains("tensors"));
   ASSERT_EQ(d.tensors.size(), 1u);
   EXPECT_EQ(d.tensors[0].desc.shape, (std::vector<int64_t>{2, 3}));
   EXPECT_EQ(static_cast<const float*>(d.tensors[0].data.data())[5], 6.f);
@@ -144,7 +147,7 @@ TEST(Wire, RejectsBadMagicAndVersion) {
 }
 
 TEST(Wire, RejectsTruncatedBody) {
-  auto frames = frames_of(Message(MsgType::kStatus, 1, 0, json{{"job_id", 123456}, {"x", "some text"}}));
+  auto frames = frames_of(wire::json_message(MsgType::kStatus, 1, 0, json{{"job_id", 123456}, {"x", "some text"}}));
   zmq::message_t cut(frames[1].data(), frames[1].size() - 3);
   frames[1] = std::move(cut);
   EXPECT_EQ(code_of(frames), WireErrc::kTruncated);
@@ -254,7 +257,7 @@ TEST(Wire, RandomBytesNeverCrash) {
 }
 
 TEST(Wire, TruncatedValidMessagesAreRejected) {
-  Message m(MsgType::kBackward, 5, 1, json{{"job_id", 1}, {"mb", 2}});
+  Message m = wire::json_message(MsgType::kBackward, 5, 1, json{{"job_id", 1}, {"mb", 2}});
   m.tensors.push_back(f32_tensor({1, 2, 3}, {3}));
   m.tensors.push_back(f32_tensor({4, 5, 6}, {3}));
   auto good = frames_of(std::move(m));
@@ -270,11 +273,134 @@ TEST(Wire, TruncatedValidMessagesAreRejected) {
   }
 }
 
+// Thousands of zstd frames, each declaring 1 GiB unpacked: the declared total is over the
+// message limit, so the message is refused before any frame is unpacked.
+TEST(Wire, DeclaredSizesAreSummedBeforeAnythingIsUnpacked) {
+  auto build = [](MsgType type, size_t n) {
+    json descs = json::array();
+    for (size_t i = 0; i < n; ++i)
+      descs.push_back({{"codec", "fp32:entropy=zstd"}, {"dtype", "f32"}, {"nbytes", uint64_t(1) << 30},
+                       {"shape", {uint64_t(1) << 28}}, {"xxh64", 0}, {"zbytes", 9}});
+    std::vector<zmq::message_t> frames;
+    Message env(type, 1);
+    frames.push_back(std::move(encode(env)[0]));
+    const std::vector<uint8_t> body = json::to_msgpack(json{{"tensors", descs}});
+    frames.emplace_back(body.data(), body.size());
+    for (size_t i = 0; i < n; ++i) frames.emplace_back("\x28\xb5\x2f\xfd\x00\x00\x00\x00\x00", 9);
+    return frames;
+  };
+  auto many = build(MsgType::kRoundReduce, 3000);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    decode(many);
+    FAIL() << "decoded";
+  } catch (const WireError& e) {
+    EXPECT_EQ(e.code(), WireErrc::kTooLarge);
+    EXPECT_NE(std::string(e.what()).find("over the message limit"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  // A message type that takes one tensor is refused for carrying two, whatever they declare.
+  auto two = build(MsgType::kResult, 2);
+  EXPECT_EQ(code_of(two), WireErrc::kMalformed);
+}
+
+TEST(Wire, TypedBodiesCheckEveryField) {
+  msg::Result r;
+  r.loss = 2.5;
+  r.mb = 7;
+  Message m = msg::make(r, 3);
+  EXPECT_EQ(*msg::read<msg::Result>(m).loss, 2.5);
+  for (json bad : {json{{"loss", "x"}}, json{{"mb", -1}}, json{{"mb", 1.5}}, json{{"samples", 1e300}}, json{{"compute_ms", -1}}}) {
+    Message b = wire::json_message(MsgType::kResult, 1, 0, bad);
+    try {
+      msg::read<msg::Result>(b);
+      FAIL() << bad.dump();
+    } catch (const WireError& e) {
+      EXPECT_EQ(e.code(), WireErrc::kMalformed);
+      EXPECT_EQ(std::string(e.what()).rfind("RESULT.", 0), 0u) << e.what();
+    }
+  }
+  // Unknown keys are ignored; a missing required field is named.
+  Message extra = wire::json_message(MsgType::kStep, 1, 0, json{{"job_id", 4}, {"future_field", true}});
+  EXPECT_EQ(msg::read<msg::Step>(extra).job_id, 4u);
+  Message missing = wire::json_message(MsgType::kStep, 1, 0, json::object());
+  EXPECT_THROW(
+      {
+        try {
+          msg::read<msg::Step>(missing);
+        } catch (const WireError& e) {
+          EXPECT_STREQ(e.what(), "STEP.job_id is missing");
+          throw;
+        }
+      },
+      WireError);
+}
+
+TEST(Wire, ZbytesWithoutZstdIsRefused) {
+  Tensor t = make_tensor(DType::kF32, {4}, compression::CodecSpec{}, 16);
+  std::memset(t.data.data(), 0, 16);
+  seal(t);
+  Message m(MsgType::kResult);
+  m.tensors.push_back(std::move(t));
+  auto frames = frames_of(std::move(m));
+  json body = json::from_msgpack(std::string(static_cast<const char*>(frames[1].data()), frames[1].size()));
+  body["tensors"][0]["zbytes"] = 16;
+  const std::vector<uint8_t> b = json::to_msgpack(body);
+  frames[1] = zmq::message_t(b.data(), b.size());
+  EXPECT_EQ(code_of(frames), WireErrc::kBadTensor);
+}
+
 TEST(Wire, ErrorReplyEchoesRequest) {
   Message req(MsgType::kForward, 77, 2);
-  Message e = error_reply(&req, WireErrc::kBadTensor, "shape");
+  Message e = msg::error_reply(&req, WireErrc::kBadTensor, "shape");
   EXPECT_EQ(e.type, MsgType::kError);
   EXPECT_EQ(e.id, 77u);
   EXPECT_EQ(e.attempt, 2u);
-  EXPECT_EQ(e.body["name"], "bad_tensor");
+  EXPECT_EQ(body_json(e)["name"], "bad_tensor");
+}
+
+// docs/protocol.md's worked example, byte for byte, as the router builds a FORWARD.
+TEST(Wire, TheProtocolDocsWorkedExampleIsWhatTheEncoderWrites) {
+  msg::Hop h;
+  h.job_id = 1;
+  h.mb = 7;
+  h.stage = 1;
+  Message m = msg::make(MsgType::kForward, h, 42, 0);
+  const auto bf16 = compression::parse_codec("bf16");
+  Tensor t = make_tensor(DType::kF32, {2, 4, 8}, bf16, 128);
+  for (int i = 0; i < 64; ++i) {
+    static_cast<uint8_t*>(t.data.data())[2 * i] = 0x80;
+    static_cast<uint8_t*>(t.data.data())[2 * i + 1] = 0x3f;
+  }
+  seal(t);
+  EXPECT_EQ(t.desc.checksum, 0x6496d4161c060cd6ull);
+  m.tensors.push_back(std::move(t));
+  auto frames = encode(m);
+  ASSERT_EQ(frames.size(), 3u);
+  auto hex = [](const zmq::message_t& f) {
+    std::string s;
+    char b[4];
+    for (size_t i = 0; i < f.size(); ++i) {
+      std::snprintf(b, sizeof b, "%02x", static_cast<const uint8_t*>(f.data())[i]);
+      s += b;
+    }
+    return s;
+  };
+  auto str = [](const char* s) {
+    std::string h;
+    char b[4];
+    for (const char* p = s; *p; ++p) {
+      std::snprintf(b, sizeof b, "%02x", uint8_t(*p));
+      h += b;
+    }
+    return h;
+  };
+  EXPECT_EQ(hex(frames[0]), "95a45357524d01142a00");
+  const std::string body = "85" "a4" + str("eval") + "c2" "a6" + str("job_id") + "01" "a2" + str("mb") + "07" "a5" + str("stage") +
+                           "01" "a7" + str("tensors") + "91" "85" "a5" + str("codec") + "a4" + str("bf16") + "a5" + str("dtype") +
+                           "a3" + str("f32") + "a6" + str("nbytes") + "cc80" "a5" + str("shape") + "93020408" "a5" + str("xxh64") +
+                           "cf6496d4161c060cd6";
+  EXPECT_EQ(frames[1].size(), 91u);
+  EXPECT_EQ(hex(frames[1]), body);
+  EXPECT_EQ(frames[2].size(), 128u);
 }

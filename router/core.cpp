@@ -1,0 +1,383 @@
+// core.cpp: implements router/core.h: sessions (HELLO, heartbeats, liveness, BYE), replies to
+// the router's requests, deadlines, the job queue, and the public entry points. Client
+// requests are in clients.cpp; what a job does with its events in training_job.cpp and
+// echo_job.cpp.
+#include "router/core.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+
+#include "router/core_impl.h"
+#include "router/echo_job.h"
+#include "router/training_job.h"
+#include "runtime/timing.h"
+
+namespace swarm::router {
+
+using wire::MsgType;
+
+// ---- Ctx (router/job.h) -----------------------------------------------------------------------
+
+uint64_t Ctx::request(Pending p, wire::Message m) {
+  p.sent_s = now;
+  if (Peer* peer = peers.find(p.peer)) {
+    p.queued = peer->queued_units;
+    peer->queued_units += p.units;
+  }
+  const PeerId to = p.peer;
+  const uint64_t id = requests.add(std::move(p));
+  m.id = id;
+  send(to, std::move(m));
+  return id;
+}
+
+std::optional<Pending> Ctx::take(uint64_t id) {
+  std::optional<Pending> pd = requests.take(id);
+  if (pd)
+    if (Peer* p = peers.find(pd->peer)) p->queued_units = std::max(0.0, p->queued_units - pd->units);
+  return pd;
+}
+
+double Ctx::deadline_for(const Peer& p, double cap_s) const {
+  if (p.ms_per_unit <= 0) return std::min(cap_s, 10.0);
+  return timing::deadline_s((p.queued_units + 3.0) * p.ms_per_unit / 1000.0, cap_s);
+}
+
+namespace {
+
+// The reply each kind of request expects.
+MsgType reply_type(ReqKind k) {
+  switch (k) {
+    case ReqKind::kHop: case ReqKind::kStep: return MsgType::kResult;
+    case ReqKind::kLoad: return MsgType::kStageReady;
+    case ReqKind::kRoundBegin: return MsgType::kRoundDelta;
+    case ReqKind::kRoundReduce: return MsgType::kRoundReduced;
+    case ReqKind::kRoundApply: case ReqKind::kStateLoad: return MsgType::kRoundDone;
+    case ReqKind::kStateRequest: case ReqKind::kSnapshot: return MsgType::kStateReply;
+  }
+  return MsgType::kResult;
+}
+
+}  // namespace
+
+void RouterCore::Impl::peer_dead(Ctx& c, const PeerId& id, const std::string& why) {
+  Peer* p = peers.find(id);
+  if (!p) return;
+  c.warn("peer " + p->hello.name + " (" + id + ") is gone: " + why);
+  const Peer gone = *p;
+  peers.remove(id);
+  // Every request it held is re-sent elsewhere.
+  for (uint64_t rid : requests.of_peer(id)) {
+    std::optional<Pending> pd = c.take(rid);
+    if (Job* j = pd ? find_job(pd->job) : nullptr) j->on_failed(c, *pd, false, -1, "peer gone");
+  }
+  for (auto& j : jobs)
+    if (j->active()) j->on_peer_gone(c, gone);
+}
+
+void RouterCore::Impl::on_hello(Ctx& c, const PeerId& from, const wire::Message& m) {
+  const msg::Hello h = msg::read<msg::Hello>(m);
+  if (h.version != wire::kVersion)
+    return reply_error(c, from, &m, WireErrc::kBadVersion, "HELLO version must be " + std::to_string(wire::kVersion) +
+                                                               "; this router speaks protocol v" + std::to_string(wire::kVersion));
+  if (h.role == msg::Role::kClient) {
+    if (!clients.count(from) && clients.size() >= limits::kMaxClients)
+      return reply_error(c, from, &m, WireErrc::kTooLarge, "the router has " + std::to_string(clients.size()) + " client sessions, its limit; try again later");
+    clients[from] = c.now;
+    msg::Welcome w;
+    w.role = "client";
+    w.version = wire::kVersion;
+    return c.send(from, msg::make(w, m.id));
+  }
+  if (peers.find(from)) peer_dead(c, from, "said HELLO again (restarted)");
+  if (peers.size() >= opt.max_peers)
+    return reply_error(c, from, &m, WireErrc::kTooLarge, "the router has " + std::to_string(peers.size()) + " stage servers, its limit (" +
+                                                            std::to_string(opt.max_peers) + "); start another swarm");
+  Peer& p = peers.add(from, h, c.now);
+  msg::Welcome w;
+  w.peer_id = from;
+  w.heartbeat_ms = opt.heartbeat_ms;
+  w.liveness = opt.liveness;
+  c.send(from, msg::make(w, m.id));
+  c.info("peer " + p.hello.name + " (" + from + ") joined" +
+         (h.stage >= 0 ? " asking for stage " + std::to_string(h.stage) : "") +
+         (h.stage < 0 && h.prefer_stage >= 0 ? " preferring stage " + std::to_string(h.prefer_stage) : "") +
+         (h.emulate > 1 ? " [emulated " + std::to_string(h.emulate) + "x slower]" : ""));
+  if (Job* j = active_job()) j->offer(c, p);
+}
+
+void RouterCore::Impl::on_reply(Ctx& c, Peer& p, wire::Message& m) {
+  const Pending* found = requests.find(m.id);
+  if (!found) {
+    // Late (re-sent elsewhere, or the job moved on) or a duplicate: counted, nothing changes.
+    if (m.type == MsgType::kResult && m.id > 0 && m.id < requests.next_id()) {
+      if (Job* j = active_job()) j->duplicate();
+    } else if (m.type == MsgType::kError) {
+      const msg::Error e = msg::read<msg::Error>(m);
+      c.warn("peer " + p.hello.name + " reports: " + e.message);
+    }
+    return;
+  }
+  if (found->peer != p.id) return;  // not from the peer it was sent to
+  const Pending pd = *c.take(m.id);
+  Registry::answered(p);
+  Job* j = find_job(pd.job);
+  if (!j || !j->active()) return;
+  if (m.type == MsgType::kError) return on_error_reply(c, p, pd, *j, m);
+  try {
+    if (m.type != reply_type(pd.kind))
+      throw WireError(WireErrc::kOutOfOrder, std::string(wire::msg_type_name(m.type)) + " does not answer a " + req_kind_name(pd.kind) +
+                                                 " request (expected " + wire::msg_type_name(reply_type(pd.kind)) + ")");
+    p.results++;
+    j->on_reply(c, p, pd, m);
+  } catch (const InputError& e) {
+    // A reply that does not parse: its request failed, and it counts against the peer.
+    bad_messages++;
+    p.failures++;
+    c.warn("peer " + p.hello.name + " sent a malformed " + wire::msg_type_name(m.type) + ": " + e.what());
+    reply_error(c, p.id, &m, WireErrc::kMalformed, e.what());
+    j->on_failed(c, pd, true, -1, e.what());
+    j->integrity_failure(c, p.id, std::string("sent a malformed reply (") + e.what() + ")");
+  }
+}
+
+void RouterCore::Impl::on_error_reply(Ctx& c, Peer& p, const Pending& pd, Job& j, const wire::Message& m) {
+  msg::Error e;
+  try {
+    e = msg::read<msg::Error>(m);
+  } catch (const InputError& ex) {
+    bad_messages++;
+    e.code = int32_t(WireErrc::kMalformed);
+    e.message = std::string("an unreadable ERROR (") + ex.what() + ")";
+  }
+  p.failures++;
+  c.warn("peer " + p.hello.name + " failed a " + req_kind_name(pd.kind) + " request: " + e.message);
+  // A request that reached the peer damaged: re-sent at once, held against the peer's
+  // integrity record rather than banning it.
+  if (e.code == int(WireErrc::kChecksum) || e.code == int(WireErrc::kTruncated)) {
+    j.on_failed(c, pd, false, -1, e.message);
+    return j.integrity_failure(c, p.id, "received a damaged request (" + e.message + ")");
+  }
+  // A tensor of the request that the peer found bad: its maker may be to blame, not the peer.
+  if (e.code == int(WireErrc::kBadTensor) && e.tensor) return j.on_failed(c, pd, true, *e.tensor, e.message);
+  peers.ban(p, c.now);
+  j.on_failed(c, pd, true, -1, e.message);
+}
+
+void RouterCore::Impl::end_job(Ctx& c, Job& j, JobState st, const std::string& why) {
+  j.finish(c, st, why);
+  drop_requests(c, j);
+}
+
+// Requests still out for a finished job are dropped: their replies count as duplicates.
+void RouterCore::Impl::drop_requests(Ctx& c, const Job& j) {
+  for (uint64_t rid : requests.of_job(j.id())) c.take(rid);
+}
+
+void RouterCore::Impl::advance_jobs(Ctx& c) {
+  Job* j = active_job();
+  if (!j) {
+    for (auto& q : jobs) {
+      if (q->state() != JobState::kQueued) continue;
+      if (!loading.count(q->id())) {
+        j = q.get();
+        j->start(c);
+      }
+      break;  // in submission order: a job still loading holds the ones after it
+    }
+  }
+  if (!j) return;
+  // A peer left idle (its load failed) is offered the job again once its ban is over.
+  for (auto& [id, p] : peers.all())
+    if (p.state == PeerState::kIdle && p.job_id == j->id() && !peers.banned(p, c.now)) j->offer(c, p);
+  j->advance(c);
+  if (!j->active()) drop_requests(c, *j);
+}
+RouterCore::RouterCore(CoreOptions opt) : impl_(std::make_unique<Impl>(std::move(opt))) {}
+RouterCore::~RouterCore() = default;
+
+Actions RouterCore::restore(std::vector<StoredJob> stored, double now) {
+  Actions out;
+  Ctx c = impl_->ctx(now, out);
+  std::sort(stored.begin(), stored.end(), [](const StoredJob& a, const StoredJob& b) { return a.id < b.id; });
+  for (auto& sj : stored) {
+    impl_->next_job_id = std::max(impl_->next_job_id, sj.id + 1);
+    if (sj.state != "queued" && sj.state != "loading" && sj.state != "running") continue;
+    try {
+      JobSpec spec = parse_job_spec(sj.spec, /*check_files=*/false);
+      impl_->queue_load(c, sj.id, std::move(spec), Impl::Submitter{}, sj.checkpoint_dir);
+    } catch (const InputError& e) {
+      c.log(LogLevel::kError, "job " + std::to_string(sj.id) + " in the state dir cannot continue: " + e.what());
+    }
+  }
+  return out;
+}
+
+Actions RouterCore::on_message(const PeerId& from, wire::Message m, double now) {
+  Actions out;
+  Ctx c = impl_->ctx(now, out);
+  Impl& I = *impl_;
+  Peer* p = I.peers.find(from);
+  if (p) I.peers.touch(from, now);
+  auto cl = I.clients.find(from);
+  if (cl != I.clients.end()) cl->second = now;
+  try {
+    if (m.type == MsgType::kHello) {
+      I.on_hello(c, from, m);
+    } else if (!p && cl == I.clients.end()) {
+      I.bad(c, from, &m, WireErrc::kOutOfOrder, "say HELLO first (protocol v" + std::to_string(wire::kVersion) + ")");
+    } else {
+      switch (m.type) {
+        case MsgType::kHeartbeat:
+          if (p) p->heartbeat = msg::read<msg::Heartbeat>(m);
+          break;
+        case MsgType::kBye:
+          if (p) I.peer_dead(c, from, "said goodbye");
+          else I.clients.erase(from);
+          break;
+        case MsgType::kResult: case MsgType::kStageReady: case MsgType::kRoundDelta: case MsgType::kRoundReduced:
+        case MsgType::kRoundDone: case MsgType::kStateReply: case MsgType::kError:
+          if (!p) I.bad(c, from, &m, WireErrc::kOutOfOrder, "only stage servers send results");
+          else I.on_reply(c, *p, m);
+          break;
+        case MsgType::kSubmit: I.on_submit(c, from, m); break;
+        case MsgType::kStatus: I.on_status(c, from, m); break;
+        case MsgType::kCancel: I.on_cancel(c, from, m); break;
+        case MsgType::kPeers: {
+          const msg::Peers q = msg::read<msg::Peers>(m);
+          c.send(from, wire::json_message(MsgType::kPeersReply, m.id, m.attempt, peers_json(q.offset, q.limit, now)));
+          break;
+        }
+        case MsgType::kChaos: I.on_chaos(c, from, m); break;
+        default:
+          I.bad(c, from, &m, WireErrc::kOutOfOrder, std::string("the router does not take ") + wire::msg_type_name(m.type));
+      }
+    }
+  } catch (const WireError& e) {
+    I.bad(c, from, &m, e.code(), e.what());
+  } catch (const InputError& e) {
+    // Whatever a message makes go wrong, it costs that message, not the router.
+    I.bad(c, from, &m, WireErrc::kMalformed, e.what());
+  } catch (const nlohmann::json::exception& e) {
+    I.bad(c, from, &m, WireErrc::kMalformed, e.what());
+  }
+  I.advance_jobs(c);
+  return out;
+}
+
+Actions RouterCore::on_undecodable(const PeerId& from, const WireError& e, std::optional<uint64_t> id, double now) {
+  Actions out;
+  Ctx c = impl_->ctx(now, out);
+  Impl& I = *impl_;
+  I.bad_messages++;
+  Peer* p = I.peers.find(from);
+  if (p) I.peers.touch(from, now);
+  c.warn("dropped a bad message" + (p ? " from peer " + p->hello.name : std::string()) + ": " + e.what());
+  I.reply_error(c, from, nullptr, e.code(), e.what());
+  // A reply whose envelope survived names its request: re-send that work now rather than at its
+  // deadline, and hold the corruption against the peer.
+  if (p && id) {
+    const Pending* pd = I.requests.find(*id);
+    if (pd && pd->peer == from) {
+      const Pending taken = *c.take(*id);
+      if (Job* j = I.find_job(taken.job); j && j->active()) {
+        j->on_failed(c, taken, true, -1, e.what());
+        j->integrity_failure(c, from, std::string("sent a corrupt reply (") + e.what() + ")");
+      }
+    }
+  }
+  I.advance_jobs(c);
+  return out;
+}
+
+Actions RouterCore::on_unreachable(const PeerId& peer, double now) {
+  Actions out;
+  Ctx c = impl_->ctx(now, out);
+  impl_->peer_dead(c, peer, "unreachable");
+  impl_->advance_jobs(c);
+  return out;
+}
+
+Actions RouterCore::on_job_loaded(JobLoaded r, double now) {
+  Actions out;
+  Ctx c = impl_->ctx(now, out);
+  impl_->on_loaded(c, std::move(r));
+  impl_->advance_jobs(c);
+  return out;
+}
+
+Actions RouterCore::on_checkpoint_written(CheckpointWritten r, double now) {
+  Actions out;
+  Ctx c = impl_->ctx(now, out);
+  if (Job* j = impl_->find_job(r.job)) j->on_checkpoint_written(c, r);
+  impl_->advance_jobs(c);
+  return out;
+}
+
+Actions RouterCore::tick(double now) {
+  Actions out;
+  Ctx c = impl_->ctx(now, out);
+  Impl& I = *impl_;
+  for (const PeerId& id : I.peers.expired(now)) I.peer_dead(c, id, "missed " + std::to_string(I.opt.liveness) + " heartbeats");
+  if (now - I.last_beat_s >= I.opt.heartbeat_ms / 1000.0) {
+    I.last_beat_s = now;
+    for (const auto& [id, p] : I.peers.all()) c.send(id, wire::Message(MsgType::kHeartbeat));
+    for (auto it = I.clients.begin(); it != I.clients.end();) it = now - it->second > I.opt.client_idle_s ? I.clients.erase(it) : std::next(it);
+  }
+  // Requests past their deadline are re-sent elsewhere (no ban: the peer may just be slow).
+  for (uint64_t rid : I.requests.expired(now)) {
+    const Pending* pd = I.requests.find(rid);
+    if (!pd) continue;
+    c.warn("request " + std::to_string(rid) + " (" + req_kind_name(pd->kind) + ") to " + I.name_of(pd->peer) + " passed its deadline; re-sending");
+    if (Peer* p = I.peers.find(pd->peer)) {
+      if (const double s = I.peers.timed_out(*p, pd->kind == ReqKind::kHop, now); s > 0)
+        c.warn("peer " + p->hello.name + " is unresponsive (" + std::to_string(p->timeouts_in_row) + " timeouts in a row); no new work for " +
+               std::to_string(int(s)) + " s");
+    }
+    const Pending taken = *c.take(rid);
+    if (Job* j = I.find_job(taken.job); j && j->active()) {
+      j->timed_out();
+      j->on_failed(c, taken, false, -1, "deadline passed");
+    }
+  }
+  I.advance_jobs(c);
+  return out;
+}
+
+Actions RouterCore::shutdown(double now) {
+  Actions out;
+  msg::Bye bye;
+  bye.reason = "router shutting down";
+  for (const auto& [id, p] : impl_->peers.all()) out.push_back(Send{id, msg::make(bye)});
+  return out;
+}
+
+bool RouterCore::accepts(const PeerId& from, wire::MsgType type) const {
+  return type == MsgType::kHello || impl_->peers.find(from) || impl_->clients.count(from);
+}
+
+const Registry& RouterCore::registry() const { return impl_->peers; }
+uint64_t RouterCore::bad_messages() const { return impl_->bad_messages; }
+
+void RouterCore::check_invariants() const {
+  const Impl& I = *impl_;
+  SWARM_CHECK(I.peers.size() <= I.opt.max_peers, "more peers than max_peers");
+  SWARM_CHECK(I.clients.size() <= limits::kMaxClients, "more clients than the limit");
+  SWARM_CHECK(I.jobs.size() <= limits::kMaxJobs, "more jobs than the limit");
+  int active = 0;
+  for (const auto& j : I.jobs) {
+    active += j->active();
+    j->check(I.requests);
+  }
+  SWARM_CHECK(active <= 1, "more than one job runs");
+  for (const auto& [id, pd] : I.requests.all()) {
+    SWARM_CHECK(I.peers.find(pd.peer) != nullptr, "request " + std::to_string(id) + " is held by a peer that is gone");
+    const Job* owner = nullptr;
+    for (const auto& j : I.jobs)
+      if (j->id() == pd.job) owner = j.get();
+    SWARM_CHECK(owner && owner->active(), "request " + std::to_string(id) + " belongs to no running job");
+  }
+}
+
+}  // namespace swarm::router

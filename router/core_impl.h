@@ -1,0 +1,80 @@
+// core_impl.h: the state of RouterCore (router/core.h), shared by the files that implement it:
+// core.cpp (sessions, replies to the router's requests, deadlines, the job queue) and
+// clients.cpp (SUBMIT, STATUS, CANCEL, CHAOS, PEERS and loading a job's data). Private to the
+// router.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "router/core.h"
+#include "router/job.h"
+
+namespace swarm::router {
+
+struct RouterCore::Impl {
+  CoreOptions opt;
+  Registry peers;
+  Requests requests;
+  std::map<PeerId, double> clients;        // client sessions: last heard [s]
+  std::vector<std::unique_ptr<Job>> jobs;  // in submission order
+  struct Submitter {
+    PeerId client;                         // "" for a job restored from the state dir
+    uint64_t id = 0;
+    uint32_t attempt = 0;
+    std::string resume;
+  };
+  std::map<uint64_t, Submitter> loading;   // jobs whose data is being loaded
+  uint64_t next_job_id = 1;
+  uint64_t bad_messages = 0;
+  double last_beat_s = -1e300;
+
+  explicit Impl(CoreOptions o) : opt(std::move(o)), peers(opt.heartbeat_ms, opt.liveness) {}
+  Ctx ctx(double now, Actions& out) { return Ctx{now, opt, peers, requests, out}; }
+
+  Job* find_job(uint64_t id) {
+    for (auto& j : jobs)
+      if (j->id() == id) return j.get();
+    return nullptr;
+  }
+  Job* active_job() {
+    for (auto& j : jobs)
+      if (j->active()) return j.get();
+    return nullptr;
+  }
+  void reply_error(Ctx& c, const PeerId& to, const wire::Message* req, WireErrc code, const std::string& text) {
+    c.send(to, msg::error_reply(req, code, text));
+  }
+  // A message that breaks the protocol: counted, answered, dropped.
+  void bad(Ctx& c, const PeerId& from, const wire::Message* m, WireErrc code, const std::string& text) {
+    bad_messages++;
+    reply_error(c, from, m, code, text);
+  }
+  std::string name_of(const PeerId& id) const {
+    const Peer* p = peers.find(id);
+    return p ? p->hello.name : id;
+  }
+
+  // core.cpp: sessions, replies, the job queue.
+  void peer_dead(Ctx& c, const PeerId& id, const std::string& why);
+  void on_hello(Ctx& c, const PeerId& from, const wire::Message& m);
+  void on_reply(Ctx& c, Peer& p, wire::Message& m);
+  void on_error_reply(Ctx& c, Peer& p, const Pending& pd, Job& j, const wire::Message& m);
+  void end_job(Ctx& c, Job& j, JobState st, const std::string& why);
+  void drop_requests(Ctx& c, const Job& j);
+  void advance_jobs(Ctx& c);
+
+  // clients.cpp: client requests and job intake.
+  void on_submit(Ctx& c, const PeerId& from, const wire::Message& m);
+  // A job is created now (its id fixes its place in the queue) and runs once its data is loaded.
+  void queue_load(Ctx& c, uint64_t id, JobSpec spec, Submitter who, std::string checkpoint_dir);
+  void on_loaded(Ctx& c, JobLoaded r);
+  nlohmann::json status_of(const Job* j, double now) const;
+  void on_status(Ctx& c, const PeerId& from, const wire::Message& m);
+  void on_cancel(Ctx& c, const PeerId& from, const wire::Message& m);
+  void on_chaos(Ctx& c, const PeerId& from, const wire::Message& m);
+};
+
+}  // namespace swarm::router

@@ -1,0 +1,310 @@
+// flights.cpp: implements router/flights.h.
+#include "router/flights.h"
+
+#include <algorithm>
+
+#include "router/dispatch.h"
+#include "router/placement.h"
+#include "runtime/timing.h"
+
+namespace swarm::router {
+
+namespace {
+
+wire::MsgType msg_type(HopKind k) {
+  switch (k) {
+    case HopKind::kForward: return wire::MsgType::kForward;
+    case HopKind::kForwardLoss: return wire::MsgType::kForwardLoss;
+    case HopKind::kBackward: return wire::MsgType::kBackward;
+    case HopKind::kEval: return wire::MsgType::kEval;
+  }
+  return wire::MsgType::kForward;
+}
+
+double hop_units(HopKind k) {
+  switch (k) {
+    case HopKind::kForward: case HopKind::kEval: return kForwardUnits;
+    case HopKind::kForwardLoss: return kForwardLossUnits;
+    case HopKind::kBackward: return kBackwardRecomputeUnits;
+  }
+  return 1;
+}
+
+}  // namespace
+
+Flight& Flights::add(uint64_t key, Flight f) {
+  const size_t S = size_t(cfg_.stages);
+  f.inputs.resize(S);
+  f.grads.resize(S);
+  f.fwd_peer.resize(S);
+  f.grad_peer.resize(S);
+  auto [it, ok] = flights_.emplace(key, std::move(f));
+  SWARM_CHECK(ok, "microbatch " + std::to_string(key) + " taken twice");
+  return it->second;
+}
+
+void Flights::dispatch(Ctx& c) {
+  for (auto& [key, f] : flights_)
+    if (f.req_id == 0 && c.now >= f.not_before_s) send_hop(c, key, f);
+}
+
+// Static routing (GPipe/DeepSpeed style, for comparison): pipeline i chains the i-th ready peer
+// of every stage in join order; microbatch k always runs on pipeline k mod P.
+std::vector<Peer*> Flights::candidates(Ctx& c, const Flight& f) {
+  if (cfg_.mode != RoutingMode::kStatic || cfg_.echo) return c.peers.stage_peers(cfg_.job, f.stage, c.now);
+  std::vector<std::vector<std::string>> by_stage(size_t(cfg_.stages));
+  for (int s = 0; s < cfg_.stages; ++s)
+    for (const Peer* p : c.peers.stage_peers(cfg_.job, s, c.now)) by_stage[size_t(s)].push_back(p->id);
+  const auto pipes = static_pipelines(by_stage);
+  const int k = static_pipeline_for(f.index, pipes.size());
+  if (k < 0) return {};
+  return {c.peers.find(pipes[size_t(k)][size_t(f.stage)])};
+}
+
+void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
+  std::vector<Peer*> peers = candidates(c, f);
+  if (peers.empty()) return;  // paused until a peer of the stage is ready
+  size_t tried_live = 0;
+  for (const Peer* p : peers) tried_live += f.tried.count(p->id);
+  std::vector<Candidate> cands;
+  cands.reserve(peers.size());
+  for (const Peer* p : peers) {
+    Candidate cd;
+    cd.id = p->id;
+    cd.queued_units = p->queued_units;
+    cd.ms_per_unit = p->speed_ms();
+    cd.affinity = f.kind == HopKind::kBackward && f.fwd_peer[size_t(f.stage)] == p->id;
+    // A peer that failed this hop is tried again only once every live peer has failed it.
+    cd.excluded = c.peers.banned(*p, c.now) || (f.tried.count(p->id) && tried_live < peers.size());
+    cands.push_back(cd);
+  }
+  const double units = cfg_.echo ? kForwardUnits : hop_units(f.kind);
+  int pick = choose_peer(cands, units, kBackwardCachedUnits);
+  if (pick < 0) {
+    // Everyone is banned or already failed this hop: the ban that ends first.
+    pick = 0;
+    for (size_t i = 1; i < peers.size(); ++i)
+      if (peers[i]->banned_until_s < peers[size_t(pick)]->banned_until_s) pick = int(i);
+  }
+  Peer& p = *peers[size_t(pick)];
+  const double my_units = cands[size_t(pick)].affinity ? kBackwardCachedUnits : units;
+  const size_t s = size_t(f.stage);
+  const bool last = f.stage == cfg_.stages - 1;
+
+  msg::Hop body;
+  body.eval = f.eval;
+  body.job_id = cfg_.job;
+  body.mb = f.index;
+  body.stage = f.stage;
+  wire::Message m = msg::make(msg_type(f.kind), body, 0, f.attempts);
+  SWARM_CHECK(f.inputs[s].has_value(), "stage input missing");
+  m.tensors.push_back(wire::share(*f.inputs[s]));
+  if (!cfg_.echo && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last))) m.tensors.push_back(wire::share(f.targets));
+  if (f.kind == HopKind::kBackward) {
+    SWARM_CHECK(f.grads[s].has_value(), "output gradient missing");
+    m.tensors.push_back(wire::share(*f.grads[s]));
+  }
+  if (!f.eval && !cfg_.echo) {
+    if (f.stage > 0) bytes_act += m.tensors[0].desc.wire_bytes();
+    if (f.kind == HopKind::kBackward) bytes_grad += m.tensors.back().desc.wire_bytes();
+  }
+  // Deadline: a generous multiple of what this peer should need, within the job's bounds.
+  const double per = p.ms_per_unit > 0 ? p.ms_per_unit : 1000.0;
+  const bool long_hop = f.kind == HopKind::kBackward || f.kind == HopKind::kForwardLoss;
+  Pending pd;
+  pd.kind = ReqKind::kHop;
+  pd.job = cfg_.job;
+  pd.key = key;
+  pd.stage = f.stage;
+  pd.peer = p.id;
+  pd.units = my_units;
+  pd.deadline_s = c.now + timing::deadline_s((p.queued_units + my_units) * per / 1000.0, long_hop ? cfg_.backward_cap_s : cfg_.forward_cap_s);
+  f.req_id = c.request(pd, std::move(m));
+  f.attempts++;
+}
+
+HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
+  HopOutcome out;
+  auto it = flights_.find(pd.key);
+  if (it == flights_.end() || it->second.req_id != pd.id) return out;  // late: the hop moved on
+  Flight& f = it->second;
+  const msg::Result r = msg::read<msg::Result>(m);
+  const size_t s = size_t(f.stage);
+  const bool last = f.stage == cfg_.stages - 1;
+  out.key = pd.key;
+  out.index = f.index;
+  if (r.compute_ms) Registry::measured(p, *r.compute_ms, pd.units, c.now - pd.sent_s, pd.queued);
+
+  // What a good answer carries: a tensor of the right description (its values are checked by
+  // the stage that receives it), a loss where one is due.
+  size_t want_tensors = 1;
+  bool want_loss = false;
+  const compression::CodecSpec* codec = &cfg_.act_codec;
+  switch (f.kind) {
+    case HopKind::kEval: want_tensors = last ? 0 : 1; want_loss = last; break;
+    case HopKind::kForward: break;
+    case HopKind::kForwardLoss: want_tensors = cfg_.stages == 1 ? 0 : 1; want_loss = true; codec = &cfg_.grad_codec; break;
+    case HopKind::kBackward: want_tensors = f.stage == 0 ? 0 : 1; codec = &cfg_.grad_codec; break;
+  }
+  std::string bad;
+  if (cfg_.echo) {
+    if (m.tensors.size() != 1) bad = "answered " + std::to_string(m.tensors.size()) + " tensor(s), expected its input back";
+  } else if (m.tensors.size() != want_tensors) {
+    bad = "answered " + std::to_string(m.tensors.size()) + " tensor(s), expected " + std::to_string(want_tensors);
+  } else if (want_loss && !r.loss) {
+    bad = "answered without a loss";
+  } else if (want_tensors == 1) {
+    const wire::TensorDesc& d = m.tensors[0].desc;
+    if (d.dtype != wire::DType::kF32 || d.shape != std::vector<int64_t>{cfg_.B, cfg_.T, cfg_.d_model} || !(d.codec == *codec))
+      bad = "answered a tensor that is not f32 [" + std::to_string(cfg_.B) + ", " + std::to_string(cfg_.T) + ", " +
+            std::to_string(cfg_.d_model) + "] in codec " + codec->name();
+  }
+  if (!bad.empty()) {
+    HopFailure fl = on_failed(c, pd, /*error=*/true, -1, bad);
+    out.what = HopOutcome::kRejected;
+    out.blame = p.id;
+    out.why = bad;
+    (void)fl;
+    return out;
+  }
+  if (f.suspect_tensor >= 0) {
+    // Another peer took the input the first receiver called bad: the first one was wrong.
+    out.blame = f.suspect_reporter;
+    out.why = "reported a good input as bad";
+    f.suspect_tensor = -1;
+    f.suspect_reporter.clear();
+  }
+  f.req_id = 0;
+  f.tried.clear();
+  f.attempts = 0;
+  f.not_before_s = 0;
+  if (r.codec_us && r.codec_us->size() == 4) out.codec_us = *r.codec_us;
+  auto take = [&]() {
+    wire::Tensor t = std::move(m.tensors[0]);
+    wire::compress(t);  // once, before it is shared with every send (entropy=zstd)
+    return t;
+  };
+  out.what = HopOutcome::kAdvanced;
+  if (cfg_.echo) {
+    out.what = HopOutcome::kCompleted;
+    flights_.erase(it);
+    return out;
+  }
+  switch (f.kind) {
+    case HopKind::kEval:
+      if (last) {
+        out.what = HopOutcome::kEvalDone;
+        out.loss = *r.loss;
+        flights_.erase(it);
+        return out;
+      }
+      f.inputs[s + 1] = take();
+      f.stage++;
+      return out;
+    case HopKind::kForward:
+      f.fwd_peer[s] = p.id;
+      f.inputs[s + 1] = take();
+      f.stage++;
+      f.kind = f.stage == cfg_.stages - 1 ? HopKind::kForwardLoss : HopKind::kForward;
+      return out;
+    case HopKind::kForwardLoss:
+      if (!f.loss_recorded) out.loss = *r.loss;
+      f.loss_recorded = true;
+      out.trained_stage = f.stage;
+      if (cfg_.stages == 1) {
+        out.what = HopOutcome::kCompleted;
+        flights_.erase(it);
+        return out;
+      }
+      f.grads[s - 1] = take();
+      f.grad_peer[s - 1] = p.id;
+      f.stage--;
+      f.kind = HopKind::kBackward;
+      return out;
+    case HopKind::kBackward:
+      if (r.cached.value_or(false)) cached++;
+      else recomputed++;
+      out.trained_stage = f.stage;
+      if (f.stage == 0) {
+        out.what = HopOutcome::kCompleted;
+        flights_.erase(it);
+        return out;
+      }
+      f.grads[s - 1] = take();
+      f.grad_peer[s - 1] = p.id;
+      f.stage--;
+      return out;
+  }
+  return out;
+}
+
+HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) {
+  HopFailure out;
+  auto it = flights_.find(pd.key);
+  if (it == flights_.end() || it->second.req_id != pd.id) return out;
+  Flight& f = it->second;
+  f.req_id = 0;
+  f.tried.insert(pd.peer);
+  resent++;
+  if (error) rejected++;
+  // Who made the tensor the receiver rejected: the previous stage's forward for a stage input,
+  // the next stage's backward for an output gradient. Tokens and targets come from the router.
+  PeerId producer;
+  if (bad_tensor == 0 && f.stage > 0 && f.kind != HopKind::kBackward) producer = f.fwd_peer[size_t(f.stage - 1)];
+  if (bad_tensor == 1 && f.kind == HopKind::kBackward) producer = f.grad_peer[size_t(f.stage)];
+  if (!producer.empty()) {
+    const bool second_opinion = f.suspect_tensor == bad_tensor && f.suspect_reporter != pd.peer;
+    bool others = false;
+    for (const Peer* p : c.peers.stage_peers(cfg_.job, f.stage, c.now))
+      others |= !f.tried.count(p->id) && p->id != producer;
+    if (second_opinion || !others) {
+      if (second_opinion) {
+        out.blame = producer;
+        out.why = "made a " + std::string(bad_tensor == 0 ? "stage input" : "gradient") + " that two peers of stage " +
+                  std::to_string(f.stage) + " rejected (" + why + ")";
+      }
+      go_back(f, bad_tensor);
+      f.tried = {producer};
+      return out;
+    }
+    f.suspect_tensor = bad_tensor;
+    f.suspect_reporter = pd.peer;
+  }
+  f.not_before_s = c.now + timing::backoff_s(0.05, 2.0, int(f.attempts));
+  if (int(f.attempts) >= cfg_.max_attempts && !f.eval) {
+    out.exhausted = true;
+    out.why = "microbatch " + std::to_string(f.index) + " failed " + std::to_string(f.attempts) + " times at stage " +
+              std::to_string(f.stage) + " (last: " + why + ")";
+  }
+  return out;
+}
+
+void Flights::go_back(Flight& f, int bad) {
+  const size_t s = size_t(f.stage);
+  if (bad == 0) {
+    f.inputs[s].reset();
+    f.stage--;
+    f.kind = f.eval ? HopKind::kEval : HopKind::kForward;
+  } else {
+    f.grads[s].reset();
+    f.stage++;
+    f.kind = f.stage == cfg_.stages - 1 ? HopKind::kForwardLoss : HopKind::kBackward;
+  }
+  f.attempts = 0;
+  f.not_before_s = 0;
+  f.suspect_tensor = -1;
+  f.suspect_reporter.clear();
+}
+
+void Flights::check(const Requests& r) const {
+  for (const auto& [key, f] : flights_) {
+    SWARM_CHECK(f.stage >= 0 && f.stage < cfg_.stages, "flight at a stage outside the job");
+    SWARM_CHECK(f.inputs[size_t(f.stage)].has_value(), "flight without its stage input");
+    if (f.req_id == 0) continue;
+    const Pending* pd = r.find(f.req_id);
+    SWARM_CHECK(pd != nullptr, "microbatch " + std::to_string(key) + " is marked sent but has no pending request");
+    SWARM_CHECK(pd->kind == ReqKind::kHop && pd->key == key && pd->job == cfg_.job, "a flight's request is not its hop");
+  }
+}
+
+}  // namespace swarm::router

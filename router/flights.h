@@ -1,0 +1,120 @@
+// flights.h: microbatches in flight: the hop state machine, where each hop goes, its deadline.
+//
+// Defines swarm::router::Flight, FlightConfig and Flights. A training microbatch is FORWARD
+// through stages 0..S-2, FORWARD_LOSS on stage S-1, then BACKWARD through S-2..0; an
+// evaluation microbatch is EVAL through 0..S-1; a transport-benchmark microbatch is one FORWARD
+// to an echo peer. The router keeps every stage input and every gradient it was sent until the
+// microbatch completes, so any live peer of a stage can take a hop, and a hop whose input a
+// receiver rejects goes back one stage to the peer that made that input's stage again.
+//
+// Routing: among the ready, unbanned peers of the stage, dispatch.h's least expected
+// completion time (or the fixed pipeline, under routing.mode "static"). Deadline:
+// timing::deadline_s of the peer's queue plus this hop at its measured speed, capped by the
+// job's timeouts. A failed hop is re-sent after timing::backoff_s (50 ms doubling to 2 s),
+// preferring peers that have not failed it; after timeouts.max_attempts the job fails.
+//
+// A receiver that reports a stage input or gradient as bad (ERROR bad_tensor naming the
+// tensor) is not believed alone: the hop is tried on another peer of the stage first. If that
+// peer rejects the same tensor too, its producer is blamed (an integrity failure) and the hop
+// goes back one stage; if it accepts it, the first receiver is blamed.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "router/job.h"
+#include "runtime/job_spec.h"
+
+namespace swarm::router {
+
+enum class HopKind { kForward, kForwardLoss, kBackward, kEval };
+
+struct Flight {
+  uint64_t index = 0;                 // data index (train) or validation batch index (eval)
+  bool eval = false;
+  int stage = 0;                      // the stage of the current hop
+  HopKind kind = HopKind::kForward;
+  std::vector<std::optional<wire::Tensor>> inputs;  // [S] inputs[s]: stage s's input (tokens at 0), once known
+  std::vector<std::optional<wire::Tensor>> grads;   // [S] grads[s]: the gradient of stage s's output, once known
+  wire::Tensor targets;               // [B, T] the last stage's targets (training and eval)
+  std::vector<PeerId> fwd_peer;       // [S] who ran stage s's forward (made inputs[s + 1]; affinity)
+  std::vector<PeerId> grad_peer;      // [S] who made grads[s] (stage s + 1's backward or loss)
+  bool loss_recorded = false;
+  // The current hop's request (req_id 0: none in flight, dispatch when a peer is free).
+  uint64_t req_id = 0;
+  uint32_t attempts = 0;
+  std::set<PeerId> tried;             // peers that failed this hop
+  double not_before_s = 0;
+  int suspect_tensor = -1;            // a receiver reported this request tensor bad...
+  PeerId suspect_reporter;            // ...this one; a second opinion decides
+};
+
+struct FlightConfig {
+  uint64_t job = 0;
+  int stages = 1;
+  int64_t B = 1, T = 1, d_model = 1;              // activation shape [B, T, d_model]
+  compression::CodecSpec act_codec, grad_codec;   // what returned activations and gradients must use
+  double forward_cap_s = 30, backward_cap_s = 60;
+  int max_attempts = 8;
+  RoutingMode mode = RoutingMode::kSwarm;
+  bool echo = false;                              // transport benchmark: a FORWARD's result completes
+};
+
+// What a hop's result did.
+struct HopOutcome {
+  enum What { kIgnored, kAdvanced, kCompleted, kEvalDone, kRejected } what = kIgnored;
+  uint64_t key = 0;
+  uint64_t index = 0;
+  std::optional<double> loss;     // a training loss (FORWARD_LOSS) or an eval batch's loss
+  int trained_stage = -1;         // a BACKWARD or FORWARD_LOSS accepted: the peer accumulated B samples
+  PeerId blame;                   // an integrity failure to record against this peer
+  std::string why;
+  std::vector<double> codec_us;   // the peer's codec time for this hop [us], when it said
+};
+
+// What a failed hop did.
+struct HopFailure {
+  bool exhausted = false;         // out of attempts: the job fails
+  PeerId blame;                   // an integrity failure to record
+  std::string why;
+};
+
+class Flights {
+ public:
+  explicit Flights(FlightConfig cfg) : cfg_(std::move(cfg)) {}
+  const FlightConfig& config() const { return cfg_; }
+
+  // A microbatch enters the pipeline at stage 0 (its inputs[0] and targets filled).
+  Flight& add(uint64_t key, Flight f);
+  size_t size() const { return flights_.size(); }
+  bool empty() const { return flights_.empty(); }
+  void clear() { flights_.clear(); }
+  const std::map<uint64_t, Flight>& all() const { return flights_; }
+
+  // Sends every waiting flight whose backoff is over to a peer of its stage (none: it waits).
+  void dispatch(Ctx& c);
+  HopOutcome on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m);
+  HopFailure on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why);
+
+  // Traffic and affinity counters, for the status.
+  uint64_t bytes_act = 0, bytes_grad = 0, resent = 0, rejected = 0, cached = 0, recomputed = 0;
+
+  // SWARM_CHECKs: every flight waiting on a request has it pending, to the peer it names.
+  void check(const Requests& r) const;
+
+ private:
+  void send_hop(Ctx& c, uint64_t key, Flight& f);
+  std::vector<Peer*> candidates(Ctx& c, const Flight& f);
+  // Goes back one stage: the tensor `bad` of the current hop is remade by its producer's stage.
+  void go_back(Flight& f, int bad);
+  FlightConfig cfg_;
+  std::map<uint64_t, Flight> flights_;
+};
+
+constexpr uint64_t kEvalBit = uint64_t(1) << 62;   // eval microbatch keys: kEvalBit | batch index
+
+}  // namespace swarm::router

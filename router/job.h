@@ -1,0 +1,98 @@
+// job.h: what the core gives a job (Ctx) and what a job must do (the Job interface).
+//
+// Defines swarm::router::Ctx, JobState and Job. A job owns its microbatches and its phases; the
+// core owns the peers and the requests and calls the running job with every event that
+// concerns it. Two jobs exist: TrainingJob (router/training_job.h) and EchoJob (the transport
+// benchmark, router/echo_job.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "router/core.h"
+#include "router/requests.h"
+#include "runtime/messages.h"
+
+namespace swarm::router {
+
+// Everything a job may touch while it handles one event.
+struct Ctx {
+  double now = 0;
+  const CoreOptions& opt;
+  Registry& peers;
+  Requests& requests;
+  Actions& out;
+
+  void send(const PeerId& to, wire::Message m) { out.push_back(Send{to, std::move(m)}); }
+  void log(LogLevel level, std::string text) { out.push_back(Log{level, std::move(text)}); }
+  void info(std::string text) { log(LogLevel::kInfo, std::move(text)); }
+  void warn(std::string text) { log(LogLevel::kWarn, std::move(text)); }
+  // Registers `p` as pending (sent now, with its deadline) and sends `m` with its id; adds the
+  // request's units to the peer's queue. Returns the id.
+  uint64_t request(Pending p, wire::Message m);
+  // Removes a pending request and takes its units off its peer's queue.
+  std::optional<Pending> take(uint64_t id);
+  // The deadline of a request other than a hop: timing::deadline_s of a few units of work behind
+  // the peer's queue at its measured speed, capped by `cap_s`; 10 s when it is not measured.
+  double deadline_for(const Peer& p, double cap_s) const;
+};
+
+enum class JobState { kQueued, kLoading, kRunning, kDone, kFailed, kCancelled };
+const char* job_state_name(JobState s);
+inline bool job_finished(JobState s) { return s == JobState::kDone || s == JobState::kFailed || s == JobState::kCancelled; }
+
+class Job {
+ public:
+  Job(uint64_t id, std::string name) : id_(id), name_(std::move(name)) {}
+  virtual ~Job() = default;
+  uint64_t id() const { return id_; }
+  const std::string& name() const { return name_; }
+  JobState state() const { return state_; }
+  const std::string& reason() const { return reason_; }
+  bool active() const { return state_ == JobState::kLoading || state_ == JobState::kRunning; }
+
+  // Whether this job uses the peer at all (echo peers serve only transport benchmarks).
+  virtual bool wants(const Peer& p) const = 0;
+  // The job becomes the running one: assign every registered peer it wants.
+  virtual void start(Ctx& c) = 0;
+  // A peer said HELLO while the job runs, or was left idle and may be offered the job again.
+  virtual void offer(Ctx& c, Peer& p) = 0;
+  // A peer is gone; its requests have already failed through on_failed.
+  virtual void on_peer_gone(Ctx& c, const Peer& p) = 0;
+  // A reply to one of the job's requests, from the peer it was sent to; `pd` already left the
+  // table. Throws InputError when the reply's body or tensors are malformed: the core then
+  // counts it and calls on_failed for the same request.
+  virtual void on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) = 0;
+  // A request failed: its peer died, answered ERROR (`error`), passed its deadline, or sent a
+  // malformed reply. `bad_tensor`: the request tensor the peer reported as bad (its producer is
+  // to blame), -1 for none.
+  virtual void on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) = 0;
+  // Moves the job forward (called after every event).
+  virtual void advance(Ctx& c) = 0;
+  virtual void on_checkpoint_written(Ctx& c, const CheckpointWritten& r) {}
+  // A peer sent something corrupt, misshapen or non-finite, or made what others rejected.
+  virtual void integrity_failure(Ctx& c, const PeerId& peer, const std::string& what) {}
+  // SWARM_CHECKs the job's invariants against the pending requests.
+  virtual void check(const Requests& r) const {}
+  // Counts a RESULT that answered no pending request (late, or a duplicate).
+  virtual void duplicate() {}
+  // One of its requests passed its deadline (counted in the status).
+  virtual void timed_out() {}
+  virtual nlohmann::json status(const Registry& peers, double now) const = 0;
+  // Ends the job: state, reason; its requests are dropped by the core.
+  virtual void finish(Ctx& c, JobState st, const std::string& reason);
+  // The job's state record in the state dir ("" without one).
+  virtual void persist(Ctx& c) {}
+
+ protected:
+  uint64_t id_;
+  std::string name_;
+  JobState state_ = JobState::kQueued;
+  std::string reason_;
+  double started_s_ = 0, run_started_s_ = 0, finished_s_ = 0;
+};
+
+}  // namespace swarm::router

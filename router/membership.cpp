@@ -1,0 +1,245 @@
+// membership.cpp: the peers of a training job (router/training_job.h): which stage each one
+// serves, loading it, giving it the stage's state before it serves (from a live donor, else the
+// stage snapshot), quarantining a peer that keeps failing integrity checks, and the
+// rebalancer's moves (router/placement.h decides them).
+#include "router/training_job.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace swarm::router {
+
+// A peer for a running job: the stage it pinned (--stage), else the one it prefers
+// (--prefer-stage, movable later), else where the swarm's minimum stage throughput rises most.
+void TrainingJob::assign(Ctx& c, Peer& p) {
+  int stage = p.hello.stage;
+  if (stage >= S_) {
+    c.warn("peer " + p.hello.name + " asked for stage " + std::to_string(stage) + " but job " + std::to_string(id_) + " has " +
+           std::to_string(S_) + " stages; placing it");
+    stage = -1;
+  }
+  if (stage < 0 && p.hello.prefer_stage >= 0 && p.hello.prefer_stage < S_) stage = p.hello.prefer_stage;
+  if (stage < 0) {
+    std::string why;
+    stage = place_peer(placement_view(c.peers, c.now), 0.0, &why);
+    c.info("placing peer " + p.hello.name + ": " + why);
+  }
+  p.stage = stage;
+  p.job_id = id_;
+  send_load(c, p);
+}
+
+// LOAD_STAGE for the peer's stage; it gets the stage's state before it serves (on_loaded).
+void TrainingJob::send_load(Ctx& c, Peer& p) {
+  p.state = PeerState::kLoading;
+  rounds_.samples().forget(p.id);
+  msg::LoadStage body;
+  body.job_id = id_;
+  body.stage = p.stage;
+  body.spec = spec_json_;
+  Pending pd;
+  pd.kind = ReqKind::kLoad;
+  pd.job = id_;
+  pd.stage = p.stage;
+  pd.peer = p.id;
+  pd.deadline_s = c.now + 120;  // building a stage's modules and timing one step
+  c.request(pd, msg::make(body));
+}
+
+void TrainingJob::on_loaded(Ctx& c, Peer& p, wire::Message& m) {
+  const msg::StageReady r = msg::read<msg::StageReady>(m);
+  if (p.state != PeerState::kLoading) return;
+  // The stage's size is the job spec's (runtime/job_spec.h), whatever the peer says.
+  const int64_t want = stage_params_[size_t(p.stage)];
+  if (r.params != want) {
+    c.warn("peer " + p.hello.name + " loaded stage " + std::to_string(p.stage) + " with " + std::to_string(r.params) +
+           " parameters, but the job's model has " + std::to_string(want) + " there; not using it");
+    p.state = PeerState::kIdle;
+    c.peers.ban(p, c.now);
+    return;
+  }
+  start_sync(c, p);
+}
+
+// A loaded peer gets the stage's state before it serves: the snapshot when it is current (a
+// resumed job), else a live donor's (`donor` when the caller chose one), else the snapshot
+// however old (the whole stage had died: the status counts the steps it lost), else (nothing
+// learned yet) its initial weights, the same on every peer.
+void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
+  p.state = PeerState::kSyncing;
+  const auto& snap = dur_.snapshot(p.stage);
+  if (snap.valid && snap.step == steps_done_) return restore_from_snapshot(c, p);
+  Peer* donor = nullptr;
+  if (Peer* d = c.peers.find(donor_id); d && d->state == PeerState::kReady && d->job_id == id_ && d->stage == p.stage) donor = d;
+  for (Peer* d : c.peers.stage_peers(id_, p.stage, c.now))
+    if (!donor && d != &p) donor = d;
+  if (donor && rounds_.count() > 0) {
+    // While the group steps together it is one optimizer: a joiner copies all of a donor's state.
+    msg::StateRequest body;
+    body.job_id = id_;
+    body.full = dense_step(spec_, steps_done_ + 1);
+    Pending pd;
+    pd.kind = ReqKind::kStateRequest;
+    pd.job = id_;
+    pd.stage = p.stage;
+    pd.peer = donor->id;
+    pd.target = p.id;
+    pd.deadline_s = c.now + c.deadline_for(*donor, spec_.timeouts.backward_s);
+    c.request(pd, msg::make(body));
+    return;
+  }
+  if (!donor && snap.valid) return restore_from_snapshot(c, p);
+  if (!donor && steps_done_ > 0)
+    c.warn("stage " + std::to_string(p.stage) + " has no live peer and no snapshot yet; peer " + p.hello.name + " starts from the initial weights");
+  p.state = PeerState::kReady;
+  rounds_.samples().forget(p.id);
+  c.info("peer " + p.hello.name + " ready on stage " + std::to_string(p.stage));
+}
+
+void TrainingJob::restore_from_snapshot(Ctx& c, Peer& p) {
+  const auto& snap = dur_.snapshot(p.stage);
+  const int lost = steps_done_ - snap.step;
+  bool others = false;
+  for (Peer* d : c.peers.stage_peers(id_, p.stage, c.now)) others |= d != &p;
+  if (state_ == JobState::kRunning && !others) {  // the stage had died mid-run (not a job resuming)
+    restores_.push_back({{"stage", p.stage}, {"peer", p.hello.name}, {"snapshot_step", snap.step}, {"step", steps_done_}, {"lost_steps", lost}});
+    c.warn("stage " + std::to_string(p.stage) + " restarts from its snapshot of step " + std::to_string(snap.step) + " on peer " +
+           p.hello.name + " (" + std::to_string(lost) + " step(s) of that stage lost)");
+  }
+  const StageState& st = snap.state;
+  msg::StateLoad body;
+  body.job_id = id_;
+  body.adam_step = st.adam_step;
+  wire::Message m = msg::make(body);
+  for (const auto* v : {&st.theta_g, &st.momentum, &st.theta, &st.adam_m, &st.adam_v}) {
+    wire::Tensor t = wire::make_tensor(wire::DType::kF32, {int64_t(v->size())}, compression::CodecSpec{}, v->size() * 4);
+    std::memcpy(t.data.data(), v->data(), v->size() * 4);
+    wire::seal(t);
+    m.tensors.push_back(std::move(t));
+  }
+  Pending pd;
+  pd.kind = ReqKind::kStateLoad;
+  pd.job = id_;
+  pd.stage = p.stage;
+  pd.peer = p.id;
+  pd.target = "the stage snapshot of step " + std::to_string(snap.step);
+  pd.deadline_s = c.now + c.deadline_for(p, spec_.timeouts.backward_s);
+  c.request(pd, std::move(m));
+}
+
+// A donor's state, forwarded as it came (its tensors are checked by the peer that loads them).
+void TrainingJob::on_state_reply(Ctx& c, Peer& donor, const Pending& pd, wire::Message& m) {
+  const msg::StateReply r = msg::read<msg::StateReply>(m);
+  Peer* t = c.peers.find(pd.target);
+  if (!t || t->state != PeerState::kSyncing) return;
+  if (m.tensors.size() != 2 && m.tensors.size() != 5) return start_sync(c, *t);
+  msg::StateLoad body;
+  body.job_id = id_;
+  if (m.tensors.size() == 5) body.adam_step = r.adam_step.value_or(0);
+  wire::Message load = msg::make(body);
+  load.tensors = std::move(m.tensors);
+  Pending lp;
+  lp.kind = ReqKind::kStateLoad;
+  lp.job = id_;
+  lp.stage = t->stage;
+  lp.peer = t->id;
+  lp.target = donor.hello.name;
+  lp.deadline_s = c.now + c.deadline_for(*t, spec_.timeouts.backward_s);
+  c.request(lp, std::move(load));
+}
+
+void TrainingJob::integrity_failure(Ctx& c, const PeerId& id, const std::string& what) {
+  Peer* p = c.peers.find(id);
+  if (!p) return;
+  p->integrity_failures++;
+  integrity_failures_++;
+  if (p->state == PeerState::kQuarantined || p->integrity_failures < uint64_t(c.opt.quarantine_after)) return;
+  if (p->stage >= 0 && c.peers.stage_peers(id_, p->stage, c.now).size() <= 1) {
+    c.warn("peer " + p->hello.name + " keeps failing integrity checks but is the last peer of stage " + std::to_string(p->stage) + "; keeping it");
+    return;
+  }
+  p->state = PeerState::kQuarantined;
+  const std::string reason = std::to_string(p->integrity_failures) + " integrity failures, the last: " + what;
+  quarantined_.push_back({{"peer", p->hello.name}, {"id", id}, {"stage", p->stage}, {"reason", reason}});
+  c.warn("peer " + p->hello.name + " quarantined (" + reason + ")");
+  for (uint64_t rid : c.requests.of_peer(id))
+    if (auto pd = c.take(rid)) on_failed(c, *pd, false, -1, "peer quarantined");
+}
+
+// ---- rebalancing ----------------------------------------------------------------------------
+
+// The job's peers as router/placement.h sees them: a peer's speed is what it delivers (its
+// measured ms per work unit), scaled to a stage of cost 1.
+swarm::Registry TrainingJob::placement_view(const Registry& peers, double now) const {
+  swarm::Registry reg;
+  reg.stages = S_;
+  reg.stage_cost = stage_costs_from_params(stage_params_);
+  reg.last_move_s = last_move_s_;
+  reg.proposal = proposal_;
+  std::vector<const Peer*> ps;
+  for (const auto& [id, p] : peers.all())
+    if (p.job_id == id_ && p.stage >= 0 && p.stage < S_ && p.state != PeerState::kQuarantined) ps.push_back(&p);
+  std::sort(ps.begin(), ps.end(), [](const Peer* a, const Peer* b) { return a->seq < b->seq; });
+  for (const Peer* p : ps) {
+    PeerView v;
+    v.id = p->id;
+    v.stage = p->stage;
+    const double ms = p->speed_ms();
+    v.speed = ms > 0 ? peer_speed(ms, reg.stage_cost[size_t(p->stage)], spec_.batch.microbatch_size / 3.0) : 0.0;
+    v.pinned = p->hello.stage >= 0 && p->hello.stage < S_;
+    v.ready = p->state == PeerState::kReady;
+    v.movable = v.ready && !peers.banned(*p, now);
+    v.last_moved_s = p->last_moved_s;
+    v.last_from = p->last_from;
+    reg.peers.push_back(v);
+  }
+  return reg;
+}
+
+// On a randomised period: at most one move, decided by plan_rebalance, and only between rounds
+// (a round's membership is its stage's peers).
+void TrainingJob::maybe_rebalance(Ctx& c) {
+  if (!spec_.routing.rebalance || spec_.routing.mode != RoutingMode::kSwarm) return;
+  RebalanceParams rp;
+  rp.period_s = spec_.routing.rebalance_period_s;
+  rp.min_gain = spec_.routing.min_gain;
+  rp.cooldown_s = spec_.routing.cooldown_s;
+  auto schedule_next = [&] {
+    const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
+    next_rebalance_s_ = c.now + next_rebalance_delay_s(rp, u);
+  };
+  if (next_rebalance_s_ < 0) return schedule_next();
+  if (c.now < next_rebalance_s_) return;
+  if (rounds_.open()) {
+    if (rebalance_reason_ != "a round is open; moves wait until it is applied") {
+      rebalance_reason_ = "a round is open; moves wait until it is applied";
+      c.info("rebalance: " + rebalance_reason_);
+    }
+    return;
+  }
+  schedule_next();
+  const Rebalance r = plan_rebalance(placement_view(c.peers, c.now), rp, c.now);
+  proposal_ = r.proposal;
+  if (r.reason != rebalance_reason_) {
+    c.info("rebalance: " + r.reason);
+    rebalance_reason_ = r.reason;
+  }
+  if (!r.move) return;
+  const Move& mv = *r.move;
+  Peer* p = c.peers.find(mv.peer);
+  if (!p) return;
+  const auto cost = stage_costs_from_params(stage_params_);
+  c.info("rebalance: moving peer " + p->hello.name + " from stage " + std::to_string(mv.from) + " to stage " + std::to_string(mv.to) + ": " + mv.reason);
+  moves_.push_back({{"peer", p->hello.name}, {"from", mv.from}, {"to", mv.to}, {"step", steps_done_},
+                    {"min_before", mv.min_before}, {"min_after", mv.min_after}, {"reason", mv.reason}});
+  last_move_s_ = p->last_moved_s = c.now;
+  p->last_from = mv.from;
+  p->ms_per_unit *= cost[size_t(mv.to)] / cost[size_t(mv.from)];
+  p->hello.stage = -1;
+  p->stage = mv.to;
+  // The peer answers what it was already sent for its old stage, then loads the new one and
+  // gets its state from a donor (or the stage snapshot) before it serves.
+  send_load(c, *p);
+}
+
+}  // namespace swarm::router

@@ -1,0 +1,118 @@
+// registry.cpp: implements router/registry.h.
+#include "router/registry.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "runtime/timing.h"
+
+namespace swarm::router {
+
+const char* peer_state_name(PeerState s) {
+  switch (s) {
+    case PeerState::kIdle: return "idle";
+    case PeerState::kLoading: return "loading";
+    case PeerState::kSyncing: return "syncing";
+    case PeerState::kReady: return "ready";
+    case PeerState::kQuarantined: return "quarantined";
+  }
+  return "?";
+}
+
+Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
+  remove(id);
+  Peer p;
+  p.id = id;
+  p.seq = next_seq_++;
+  p.hello = hello;
+  if (p.hello.name.empty()) p.hello.name = id;
+  if (p.hello.name.size() > limits::kMaxPeerIdBytes) p.hello.name.resize(limits::kMaxPeerIdBytes);
+  if (p.hello.device_name.empty()) p.hello.device_name = p.hello.device;
+  p.joined_s = p.last_seen_s = now;
+  auto [it, ok] = peers_.emplace(id, std::move(p));
+  expiry_.emplace(now + window_s_, id);
+  return it->second;
+}
+
+void Registry::remove(const PeerId& id) {
+  auto it = peers_.find(id);
+  if (it == peers_.end()) return;
+  expiry_.erase({it->second.last_seen_s + window_s_, id});
+  peers_.erase(it);
+}
+
+Peer* Registry::find(const PeerId& id) {
+  auto it = peers_.find(id);
+  return it == peers_.end() ? nullptr : &it->second;
+}
+
+const Peer* Registry::find(const PeerId& id) const {
+  auto it = peers_.find(id);
+  return it == peers_.end() ? nullptr : &it->second;
+}
+
+void Registry::touch(const PeerId& id, double now) {
+  Peer* p = find(id);
+  if (!p || now <= p->last_seen_s) return;
+  expiry_.erase({p->last_seen_s + window_s_, id});
+  p->last_seen_s = now;
+  expiry_.emplace(now + window_s_, id);
+}
+
+std::vector<PeerId> Registry::expired(double now) const {
+  std::vector<PeerId> out;
+  for (const auto& [t, id] : expiry_) {
+    if (t >= now) break;
+    out.push_back(id);
+  }
+  return out;
+}
+
+void Registry::ban(Peer& p, double now) {
+  p.bans++;
+  p.banned_until_s = now + timing::backoff_s(1.0, 60.0, p.bans);
+}
+
+double Registry::timed_out(Peer& p, bool hop, double now) {
+  p.timeouts++;
+  // Not a ban (it may just be slow), but its expected speed halves, so it gets less work.
+  if (hop) p.ms_per_unit = p.ms_per_unit > 0 ? std::max(2.0 * p.ms_per_unit, 100.0) : 1000.0;
+  if (++p.timeouts_in_row < 3) return 0;
+  const double s = timing::backoff_s(1.0, 60.0, p.timeouts_in_row - 2);
+  p.unresponsive_until_s = now + s;
+  return s;
+}
+
+void Registry::answered(Peer& p) {
+  p.timeouts_in_row = 0;
+  p.unresponsive_until_s = 0;
+}
+
+void Registry::measured(Peer& p, double compute_ms, double units, double latency_s, double queued_units) {
+  if (!(units > 0)) return;
+  // The reply came latency_s after the request, behind queued_units of earlier work, so the
+  // peer took about latency / (queued + units) per unit, transfers included. Its own claim is
+  // believed down to a quarter of that: a peer cannot buy every hop with a tiny compute_ms.
+  const double observed = latency_s * 1000.0 / (std::max(0.0, queued_units) + units);
+  const double per = std::clamp(std::max(compute_ms / units, observed / 4.0), kMinMsPerUnit, 1e9);
+  p.ms_per_unit = timing::ema(p.ms_per_unit, per);
+}
+
+std::vector<Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bool ready_only) {
+  std::vector<Peer*> out, unresponsive;
+  for (auto& [id, p] : peers_) {
+    if (p.job_id != job || p.stage != stage || (ready_only && p.state != PeerState::kReady)) continue;
+    (ready_only && now < p.unresponsive_until_s ? unresponsive : out).push_back(&p);
+  }
+  std::vector<Peer*>& r = out.empty() ? unresponsive : out;
+  std::sort(r.begin(), r.end(), [](const Peer* a, const Peer* b) { return a->seq < b->seq; });
+  return r;
+}
+
+std::vector<const Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bool ready_only) const {
+  std::vector<const Peer*> out;
+  for (Peer* p : const_cast<Registry*>(this)->stage_peers(job, stage, now, ready_only)) out.push_back(p);
+  return out;
+}
+
+}  // namespace swarm::router

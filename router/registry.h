@@ -1,0 +1,98 @@
+// registry.h: the router's peers: who is registered, who is alive, who may get work.
+//
+// Defines swarm::router::Peer (one stage server as the router sees it) and Registry: peers by
+// routing id, liveness kept in expiry order (any message from a peer pushes its expiry to
+// now + heartbeat_ms * liveness; `expired(now)` pops the dead in order, O(log n) per event),
+// bans after errors (timing::backoff_s: 1 s doubling to 60 s), unresponsiveness after deadlines
+// passed in a row (no new work for a growing time, then a probe), integrity failures towards
+// quarantine, and the stage membership queries the jobs route by. No clock, no I/O: the time
+// comes in as `now` [s].
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "runtime/messages.h"
+
+namespace swarm::router {
+
+using PeerId = std::string;   // a ZeroMQ routing id (opaque bytes)
+
+enum class PeerState { kIdle, kLoading, kSyncing, kReady, kQuarantined };
+const char* peer_state_name(PeerState s);
+
+struct Peer {
+  PeerId id;
+  uint64_t seq = 0;               // join order, assigned by the router (ties and donors use it, never the id)
+  msg::Hello hello;               // what it said about itself (name cut to 64 bytes)
+  int stage = -1;                 // the stage it serves for job_id
+  uint64_t job_id = 0;
+  PeerState state = PeerState::kIdle;
+  double joined_s = 0, last_seen_s = 0;
+  double ms_per_unit = 0;         // timing::ema of compute ms per work unit, from its results; 0: not measured
+  double queued_units = 0;        // work sent to it and not answered yet
+  double banned_until_s = 0;
+  int bans = 0;
+  uint64_t results = 0, failures = 0, integrity_failures = 0, timeouts = 0;
+  int timeouts_in_row = 0;        // deadlines passed since its last answer
+  double unresponsive_until_s = 0;
+  double last_moved_s = -1e300;   // when the rebalancer last moved it
+  int last_from = -1;             // the stage it was last moved from
+  msg::Heartbeat heartbeat;       // its last heartbeat
+  bool pinned() const { return hello.stage >= 0; }
+  // Its measured ms per unit, else what its heartbeat says, else 0.
+  double speed_ms() const { return ms_per_unit > 0 ? ms_per_unit : heartbeat.ms_per_unit; }
+};
+
+class Registry {
+ public:
+  Registry(int heartbeat_ms, int liveness) : window_s_(heartbeat_ms * liveness / 1000.0) {}
+
+  // A stage server that said HELLO (replacing an earlier session of the same id: the caller
+  // has removed it first). Returns the new record.
+  Peer& add(const PeerId& id, const msg::Hello& hello, double now);
+  void remove(const PeerId& id);
+  Peer* find(const PeerId& id);
+  const Peer* find(const PeerId& id) const;
+  size_t size() const { return peers_.size(); }
+  const std::map<PeerId, Peer>& all() const { return peers_; }
+  std::map<PeerId, Peer>& all() { return peers_; }
+
+  // Any message from a peer: it is alive until now + the liveness window.
+  void touch(const PeerId& id, double now);
+  // Peers whose window passed, most overdue first. They stay registered until removed.
+  std::vector<PeerId> expired(double now) const;
+
+  // An error from the peer: no new work until the ban ends (1 s, doubling per ban, up to 60 s).
+  void ban(Peer& p, double now);
+  bool banned(const Peer& p, double now) const { return now < p.banned_until_s; }
+  // A deadline passed without an answer: counted; a hop's timeout also halves its expected
+  // speed; three in a row make it unresponsive for a growing time. Returns the seconds of
+  // unresponsiveness when it just became so (for the log), else 0.
+  double timed_out(Peer& p, bool hop, double now);
+  // Any answer: responsive again.
+  static void answered(Peer& p);
+  // A result's measured compute time for `units` of work; `latency_s` is what the router saw
+  // from send to reply and `queued_units` what the peer had ahead of it then: a peer cannot
+  // claim to be more than 4x faster than it answers. Clamped to [kMinMsPerUnit, 1e9].
+  static void measured(Peer& p, double compute_ms, double units, double latency_s, double queued_units);
+  static constexpr double kMinMsPerUnit = 0.01;
+
+  // The peers of `stage` serving `job`, in join order. ready_only: those that can take work now
+  // (ready and not unresponsive; if every ready peer is unresponsive they are all returned: a
+  // probe beats a paused stage).
+  std::vector<Peer*> stage_peers(uint64_t job, int stage, double now, bool ready_only = true);
+  std::vector<const Peer*> stage_peers(uint64_t job, int stage, double now, bool ready_only = true) const;
+
+ private:
+  double window_s_;
+  uint64_t next_seq_ = 1;
+  std::map<PeerId, Peer> peers_;
+  std::set<std::pair<double, PeerId>> expiry_;   // (expiry time, id) of every peer
+};
+
+}  // namespace swarm::router

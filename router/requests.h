@@ -1,0 +1,70 @@
+// requests.h: every request the router has sent and not yet had answered, with its deadline.
+//
+// Defines swarm::router::ReqKind, Pending and Requests: request ids from one counter, the
+// pending table by id, and the deadlines in time order, so a tick finds what expired without
+// scanning everything. A request leaves the table exactly once: answered (take), failed (take,
+// then the job re-sends its work), or abandoned with its job (drop_job).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "router/registry.h"
+
+namespace swarm::router {
+
+enum class ReqKind {
+  kHop,           // FORWARD, FORWARD_LOSS, BACKWARD, EVAL
+  kLoad,          // LOAD_STAGE
+  kStep,          // STEP (sync schedule)
+  kRoundBegin,    // ROUND_BEGIN -> ROUND_DELTA
+  kRoundReduce,   // ROUND_REDUCE -> ROUND_REDUCED (the round's reducer)
+  kRoundApply,    // ROUND_APPLY -> ROUND_DONE
+  kStateRequest,  // STATE_REQUEST to a donor, for `target`
+  kStateLoad,     // STATE_LOAD to a syncing peer
+  kSnapshot,      // STATE_REQUEST {full} for the stage snapshot
+};
+const char* req_kind_name(ReqKind k);
+
+struct Pending {
+  uint64_t id = 0;         // set by Requests::add
+  ReqKind kind = ReqKind::kHop;
+  uint64_t job = 0;
+  uint64_t key = 0;        // the microbatch (hops), else 0
+  int stage = -1;          // the stage the request is about
+  PeerId peer;             // who it was sent to
+  PeerId target;           // kStateRequest: the peer waiting for the state
+  double units = 0;        // work units it adds to the peer's queue
+  double queued = 0;       // the peer's queue when it was sent
+  double sent_s = 0, deadline_s = 0;
+};
+
+class Requests {
+ public:
+  uint64_t next_id() const { return next_; }
+  // An id from the same counter for a message that expects no reply (CHAOS to a peer).
+  uint64_t reserve_id() { return next_++; }
+  // Registers a request; returns its id.
+  uint64_t add(Pending p);
+  const Pending* find(uint64_t id) const;
+  // Removes and returns a pending request.
+  std::optional<Pending> take(uint64_t id);
+  // Ids whose deadline is before now, earliest first.
+  std::vector<uint64_t> expired(double now) const;
+  // Ids of the requests held by a peer, or for a job.
+  std::vector<uint64_t> of_peer(const PeerId& peer) const;
+  std::vector<uint64_t> of_job(uint64_t job) const;
+  size_t size() const { return pending_.size(); }
+  const std::map<uint64_t, Pending>& all() const { return pending_; }
+
+ private:
+  uint64_t next_ = 1;
+  std::map<uint64_t, Pending> pending_;
+  std::set<std::pair<double, uint64_t>> deadlines_;
+};
+
+}  // namespace swarm::router

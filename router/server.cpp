@@ -1,0 +1,266 @@
+// server.cpp: implements router/server.h: the socket loop, the clock, and the disk thread.
+#include "router/server.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <variant>
+
+#include "runtime/fs.h"
+#include "runtime/limits.h"
+#include "runtime/text.h"
+
+namespace swarm::router {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Reads <state dir>/jobs/*/job.json; a file that does not parse is logged and skipped.
+std::vector<StoredJob> read_state_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<StoredJob> out;
+  if (dir.empty()) return out;
+  std::error_code ec;
+  fs::create_directories(dir + "/jobs", ec);
+  for (const auto& e : fs::directory_iterator(dir + "/jobs", ec)) {
+    const std::string path = (e.path() / "job.json").string();
+    if (!fs::is_regular_file(path, ec)) continue;
+    try {
+      const nlohmann::json j = read_json_file("job record", path);
+      StoredJob s;
+      s.id = j.at("id").get<uint64_t>();
+      s.state = j.at("state").get<std::string>();
+      s.spec = j.at("spec");
+      s.checkpoint_dir = j.value("checkpoint_dir", std::string());
+      out.push_back(std::move(s));
+    } catch (const std::exception& ex) {
+      log_warn("router", "ignoring " + path + ": " + ex.what());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+struct Server::Impl {
+  ServerOptions opt;
+  zmq::context_t ctx{1};
+  zmq::socket_t sock{ctx, zmq::socket_type::router};
+  std::string endpoint;
+  RouterCore core;
+  const Clock::time_point t0 = Clock::now();
+
+  // The disk thread: loads, records and checkpoints, in order; a record replaced before it was
+  // written is written once, with its newest content.
+  using DiskWork = std::variant<LoadJob, WriteFile, WriteCheckpoint>;
+  using DiskResult = std::variant<JobLoaded, CheckpointWritten>;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<DiskWork> work;
+  std::map<std::string, std::string> latest;   // WriteFile: path -> newest content not yet written
+  std::deque<DiskResult> results;
+  bool disk_stop = false;
+  std::thread disk;
+
+  explicit Impl(ServerOptions o) : opt(std::move(o)), core(opt.core) {
+    sock.set(zmq::sockopt::router_mandatory, 1);
+    sock.set(zmq::sockopt::router_handover, 1);
+    sock.set(zmq::sockopt::linger, 0);
+    sock.set(zmq::sockopt::sndhwm, 100000);
+    sock.set(zmq::sockopt::rcvhwm, 100000);
+    // libzmq drops a connection that sends a frame larger than this before buffering it.
+    sock.set(zmq::sockopt::maxmsgsize, int64_t(limits::kMaxTensorBytes) + int64_t(limits::kMaxBodyBytes));
+    sock.bind(opt.bind);
+    endpoint = sock.get(zmq::sockopt::last_endpoint);
+    if (endpoint.rfind("tcp://0.0.0.0:", 0) == 0) endpoint = "tcp://127.0.0.1:" + endpoint.substr(14);
+    if (!opt.ready_file.empty()) fs_util::write_file_atomic(opt.ready_file, endpoint + "\n", "the ready file");
+    log_info("router", "listening on " + endpoint);
+    disk = std::thread([this] { disk_loop(); });
+  }
+
+  ~Impl() {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      disk_stop = true;
+    }
+    cv.notify_all();
+    disk.join();
+  }
+
+  double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+  void disk_loop() {
+    for (;;) {
+      DiskWork w;
+      {
+        std::unique_lock<std::mutex> l(mu);
+        cv.wait(l, [&] { return disk_stop || !work.empty(); });
+        if (work.empty()) return;  // stopping, and everything asked for is done
+        w = std::move(work.front());
+        work.pop_front();
+        if (auto* f = std::get_if<WriteFile>(&w)) {
+          auto it = latest.find(f->path);
+          if (it == latest.end()) continue;  // an older copy of a record already written
+          f->content = std::move(it->second);
+          latest.erase(it);
+        }
+      }
+      std::optional<DiskResult> r;
+      if (auto* l = std::get_if<LoadJob>(&w)) r = load(*l);
+      else if (auto* f = std::get_if<WriteFile>(&w)) write(*f);
+      else r = checkpoint(std::get<WriteCheckpoint>(w));
+      if (r) {
+        std::lock_guard<std::mutex> lk(mu);
+        results.push_back(std::move(*r));
+      }
+    }
+  }
+
+  JobLoaded load(const LoadJob& l) const {
+    JobLoaded r;
+    r.job = l.job;
+    try {
+      parse_job_spec(to_json(l.spec), /*check_files=*/true);  // what is wrong with the files, said for a person
+      r.data = std::make_shared<TokenData>(TokenData::load(l.spec.data, l.spec.model.seq_len, l.spec.model.vocab_size, opt.max_data_bytes));
+      if (!l.resume.empty()) r.checkpoint = resolve_checkpoint(l.resume);
+      else if (!l.checkpoint_dir.empty()) r.checkpoint = load_latest_checkpoint(l.checkpoint_dir, &r.skipped);
+      if (r.checkpoint) {
+        // Microbatches taken after the checkpoint are done again: progress.json says how many.
+        std::ifstream pf(std::filesystem::path(r.checkpoint->path).parent_path() / "progress.json");
+        nlohmann::json pj = nlohmann::json::parse(pf, nullptr, false);
+        if (pj.is_object() && pj.contains("taken") && pj["taken"].is_number_integer())
+          r.redone = std::max<int64_t>(0, pj["taken"].get<int64_t>() - int64_t(r.checkpoint->ckpt.next_microbatch));
+      }
+    } catch (const std::exception& e) {
+      r.error = e.what();
+      r.data.reset();
+    }
+    return r;
+  }
+
+  void write(const WriteFile& f) const {
+    try {
+      fs_util::write_file_atomic(f.path, f.content, "a router record");
+    } catch (const std::exception& e) {
+      log_warn("router", std::string(e.what()) + "; the job will not survive a router restart as it is now");
+    }
+  }
+
+  CheckpointWritten checkpoint(const WriteCheckpoint& w) const {
+    CheckpointWritten r;
+    r.job = w.job;
+    r.step = w.checkpoint->step;
+    try {
+      r.path = write_checkpoint(w.dir, *w.checkpoint, w.keep);
+    } catch (const std::exception& e) {
+      r.error = e.what();
+    }
+    return r;
+  }
+
+  // Carries out the core's actions in order. A send to a peer that is gone is reported back.
+  void execute(Actions actions) {
+    std::set<PeerId> unreachable;
+    bool queued = false;
+    for (Action& a : actions) {
+      if (auto* s = std::get_if<Send>(&a)) {
+        if (!wire::send(sock, s->msg, &s->to)) unreachable.insert(s->to);
+      } else if (auto* lg = std::get_if<Log>(&a)) {
+        log_line(lg->level, "router", lg->text);
+      } else {
+        std::lock_guard<std::mutex> l(mu);
+        if (auto* f = std::get_if<WriteFile>(&a)) {
+          const bool pending = latest.count(f->path);
+          latest[f->path] = std::move(f->content);
+          if (pending) continue;
+          work.push_back(WriteFile{f->path, {}});
+        } else if (auto* lj = std::get_if<LoadJob>(&a)) {
+          work.push_back(std::move(*lj));
+        } else {
+          work.push_back(std::move(std::get<WriteCheckpoint>(a)));
+        }
+        queued = true;
+      }
+    }
+    if (queued) cv.notify_one();
+    for (const PeerId& p : unreachable)
+      if (core.registry().find(p)) execute(core.on_unreachable(p, now()));
+  }
+
+  // One message: whatever goes wrong with it costs that message, never the router. A broken
+  // invariant of our own is logged loudly (it is a bug) and the loop carries on.
+  void on_frames(wire::Received& r) {
+    try {
+      handle(r);
+    } catch (const std::exception& e) {
+      log_error("router", std::string("handling a ") + (r.frames.empty() ? "message" : "message from " + r.route) + " failed: " + e.what());
+    }
+  }
+
+  void handle(wire::Received& r) {
+    wire::Envelope env;
+    try {
+      env = wire::peek_envelope(r.frames);
+    } catch (const WireError& e) {
+      return execute(core.on_undecodable(r.route, e, std::nullopt, now()));
+    }
+    // Nothing but HELLO from a stranger: its body and tensors are not even parsed.
+    if (!core.accepts(r.route, env.type)) return execute(core.on_message(r.route, wire::Message(env.type, env.id, env.attempt), now()));
+    wire::Message m;
+    try {
+      m = wire::decode(r.frames);
+    } catch (const WireError& e) {
+      return execute(core.on_undecodable(r.route, e, env.id, now()));
+    }
+    execute(core.on_message(r.route, std::move(m), now()));
+  }
+
+  void drain_disk() {
+    std::deque<DiskResult> done;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      done.swap(results);
+    }
+    for (auto& d : done) {
+      if (auto* l = std::get_if<JobLoaded>(&d)) execute(core.on_job_loaded(std::move(*l), now()));
+      else execute(core.on_checkpoint_written(std::move(std::get<CheckpointWritten>(d)), now()));
+    }
+  }
+
+  void run(std::atomic<bool>& stop) {
+    execute(core.restore(read_state_dir(opt.core.state_dir), now()));
+    while (!stop) {
+      zmq::pollitem_t items[] = {{sock.handle(), 0, ZMQ_POLLIN, 0}};
+      try {
+        zmq::poll(items, 1, std::chrono::milliseconds(5));
+      } catch (const zmq::error_t& e) {
+        if (e.num() == EINTR) continue;  // a signal: the loop condition decides
+        throw;
+      }
+      if (items[0].revents & ZMQ_POLLIN) {
+        for (int i = 0; i < 256; ++i) {
+          auto r = wire::recv_frames(sock, true, zmq::recv_flags::dontwait);
+          if (!r) break;
+          on_frames(*r);
+        }
+      }
+      drain_disk();
+      execute(core.tick(now()));
+    }
+    execute(core.shutdown(now()));
+  }
+};
+
+Server::Server(ServerOptions opt) : impl_(std::make_unique<Impl>(std::move(opt))) {}
+Server::~Server() = default;
+std::string Server::endpoint() const { return impl_->endpoint; }
+void Server::run(std::atomic<bool>& stop) { impl_->run(stop); }
+
+}  // namespace swarm::router

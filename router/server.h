@@ -1,0 +1,42 @@
+// server.h: swarm-router's thin shell around its core: the only part of the router that
+// touches a socket, a clock or a file.
+//
+// Defines swarm::router::ServerOptions and Server. The server binds one ZeroMQ ROUTER socket
+// that stage servers and CLI clients connect to; its loop receives frames, parses the envelope,
+// decodes the rest only for senders the core accepts, hands the message to RouterCore
+// (router/core.h) with the time, and carries out the actions it returns: sends, logs, and (on a
+// disk thread, so that routing never waits for a disk) job data loads, state records and
+// checkpoints, whose results go back to the core as events.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "router/core.h"
+
+namespace swarm::router {
+
+struct ServerOptions {
+  std::string bind = "tcp://0.0.0.0:5555";   // "tcp://127.0.0.1:*" picks a free port
+  std::string ready_file;                     // written with the bound endpoint once listening
+  uint64_t max_data_bytes = TokenData::kDefaultMaxDataBytes;  // a job's data files together
+  CoreOptions core;
+};
+
+class Server {
+ public:
+  explicit Server(ServerOptions opt);
+  ~Server();
+  // The endpoint actually bound (with the real port when the bind asked for '*').
+  std::string endpoint() const;
+  // Runs the event loop until `stop` becomes true.
+  void run(std::atomic<bool>& stop);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace swarm::router

@@ -1,0 +1,97 @@
+// status.cpp: what `swarm status --json` shows of a training job (TrainingJob::status), the
+// routing figures as the router models them, and Job's shared parts.
+#include <algorithm>
+#include <cmath>
+
+#include "router/training_job.h"
+
+namespace swarm::router {
+
+namespace {
+
+nlohmann::json number_or_null(double v) { return std::isnan(v) ? nlohmann::json(nullptr) : nlohmann::json(v); }
+
+}  // namespace
+
+const char* job_state_name(JobState s) {
+  switch (s) {
+    case JobState::kQueued: return "queued";
+    case JobState::kLoading: return "loading";
+    case JobState::kRunning: return "running";
+    case JobState::kDone: return "done";
+    case JobState::kFailed: return "failed";
+    case JobState::kCancelled: return "cancelled";
+  }
+  return "?";
+}
+
+void Job::finish(Ctx& c, JobState st, const std::string& reason) {
+  state_ = st;
+  reason_ = reason;
+  finished_s_ = c.now;
+  c.info("job " + std::to_string(id_) + " " + job_state_name(st) + (reason.empty() ? "" : ": " + reason));
+}
+
+nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
+  // Bytes counted since this router took the job, over the samples trained since then.
+  const uint64_t trained = (completed_ - resumed_at_) * uint64_t(spec_.batch.microbatch_size);
+  auto per_sample = [&](uint64_t bytes) { return trained ? double(bytes) / double(trained) : 0.0; };
+  nlohmann::json peers_per_stage = nlohmann::json::array();
+  for (int s = 0; s < S_; ++s) peers_per_stage.push_back(peers.stage_peers(id_, s, now).size());
+  const double elapsed = (job_finished(state_) ? finished_s_ : now) - run_started_s_;
+  // Throughput as the router models it (samples/s): per stage, the bottleneck, and the best
+  // assignment of these peers (the benchmarks' ideal).
+  nlohmann::json routing{{"mode", routing_mode_name(spec_.routing.mode)}, {"moves", moves_}, {"rebalance", rebalance_reason_}};
+  {
+    const swarm::Registry reg = placement_view(peers, now);
+    const std::vector<double> tp = stage_throughputs(reg);
+    std::vector<double> speeds;
+    for (const auto& p : reg.peers)
+      if (p.speed > 0 && std::isfinite(p.speed)) speeds.push_back(p.speed);
+    routing["stage_samples_per_s"] = tp;
+    routing["min_stage_samples_per_s"] = tp.empty() ? 0.0 : *std::min_element(tp.begin(), tp.end());
+    routing["ideal_samples_per_s"] =
+        speeds.size() >= size_t(S_) && speeds.size() == reg.peers.size() ? ideal_min_throughput(speeds, reg.stage_cost) : 0.0;
+  }
+  const nlohmann::json rounds = rounds_.status();
+  nlohmann::json s{{"job_id", id_},
+                   {"name", name_},
+                   {"state", job_state_name(state_)},
+                   {"reason", reason_},
+                   {"step", steps_done_},
+                   {"steps", spec_.steps},
+                   {"stages", S_},
+                   {"peers_per_stage", peers_per_stage},
+                   {"train_loss", number_or_null(train_loss_)},
+                   {"val_loss", number_or_null(val_loss_)},
+                   {"unigram_loss", unigram_},
+                   {"tokens_per_s", elapsed > 0 ? double(train_tokens_) / elapsed : 0.0},
+                   {"elapsed_s", elapsed},
+                   {"rounds", rounds["rounds"]},
+                   {"fragment_syncs", rounds["fragment_syncs"]},
+                   {"state_hashes", rounds["state_hashes"]},
+                   {"hash_mismatches", rounds["hash_mismatches"]},
+                   {"routing", routing},
+                   {"sync_bytes_per_sample", per_sample(rounds_.bytes_outer)},
+                   {"microbatches", {{"taken", taken_}, {"completed", completed_}, {"resent", resent_before_ + flights_.resent},
+                                     {"duplicates", duplicates_before_ + duplicates_}, {"rejected", rejected_before_ + flights_.rejected},
+                                     {"lost", state_ == JobState::kDone ? taken_ - completed_ : 0}}},
+                   {"backward", {{"cached", flights_.cached}, {"recomputed", flights_.recomputed}}},
+                   {"wire_bytes", {{"activations", flights_.bytes_act}, {"gradients", flights_.bytes_grad}, {"outer", rounds_.bytes_outer}}},
+                   {"wire_bytes_per_sample", {{"activations", per_sample(flights_.bytes_act)}, {"gradients", per_sample(flights_.bytes_grad)}}},
+                   {"codec_ms", {{"activations", {{"encode", codec_us_[0] / 1000}, {"decode", codec_us_[1] / 1000}}},
+                                 {"gradients", {{"encode", codec_us_[2] / 1000}, {"decode", codec_us_[3] / 1000}}}}},
+                   {"integrity_failures", integrity_failures_},
+                   {"timeouts", timeouts_},
+                   {"quarantined", quarantined_},
+                   {"stage_restores", restores_},
+                   {"resumed", resumed_},
+                   {"checkpoints", dur_.status()}};
+  // The most recent entries: a status reply stays within the wire's array limit.
+  constexpr size_t kHistory = 4096;
+  const size_t from = history_.size() > kHistory ? history_.size() - kHistory : 0;
+  s["history"] = nlohmann::json(std::vector<nlohmann::json>(history_.begin() + long(from), history_.end()));
+  return s;
+}
+
+}  // namespace swarm::router

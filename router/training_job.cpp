@@ -1,0 +1,392 @@
+// training_job.cpp: the training job's loop (router/training_job.h): taking microbatches,
+// barriers, steps, rounds, evaluations, snapshots and the end.
+#include "router/training_job.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace swarm::router {
+
+namespace {
+
+constexpr size_t kMaxHistory = 65536;   // entries the job keeps; a status carries the newest 4096
+
+wire::Tensor tokens_tensor(const std::vector<int32_t>& v, int B, int T) {
+  wire::Tensor t = wire::make_tensor(wire::DType::kI32, {B, T}, compression::CodecSpec{}, v.size() * 4);
+  std::memcpy(t.data.data(), v.data(), v.size() * 4);
+  wire::seal(t);
+  return t;
+}
+
+FlightConfig flight_config(uint64_t id, const JobSpec& s) {
+  FlightConfig f;
+  f.job = id;
+  f.stages = s.partition.stages;
+  f.B = s.batch.microbatch_size;
+  f.T = s.model.seq_len;
+  f.d_model = s.model.d_model;
+  f.act_codec = compression::parse_codec(s.compression.activations);
+  f.grad_codec = compression::parse_codec(s.compression.gradients);
+  f.forward_cap_s = s.timeouts.forward_s;
+  f.backward_cap_s = s.timeouts.backward_s;
+  f.max_attempts = s.timeouts.max_attempts;
+  f.mode = s.routing.mode;
+  return f;
+}
+
+nlohmann::json number_or_null(double v) { return std::isnan(v) ? nlohmann::json(nullptr) : nlohmann::json(v); }
+
+}  // namespace
+
+TrainingJob::TrainingJob(uint64_t id, JobSpec spec)
+    : Job(id, spec.name),
+      spec_(std::move(spec)),
+      spec_json_(to_json(spec_)),
+      S_(spec_.partition.stages),
+      M_(spec_.microbatches_per_step()),
+      stage_params_(stage_parameter_counts(spec_)),
+      total_mbs_(uint64_t(spec_.steps) * uint64_t(M_)),
+      flights_(flight_config(id, spec_)),
+      rounds_(id, spec_, stage_params_),
+      dur_(id, spec_, stage_params_),
+      rng_(spec_.seed) {}
+
+void TrainingJob::loaded(Ctx& c, const JobLoaded& r) {
+  data_ = r.data;
+  unigram_ = data_->unigram_loss();
+  started_s_ = c.now;
+  for (const auto& sk : r.skipped) c.warn("skipped checkpoint: " + sk);
+  if (!r.checkpoint) return;
+  const Checkpoint& ck = r.checkpoint->ckpt;
+  steps_done_ = ck.step;
+  taken_ = completed_ = resumed_at_ = ck.next_microbatch;
+  rounds_.restore(ck.rounds, ck.step);
+  dur_.restore(ck);
+  const nlohmann::json& st = ck.router;
+  if (st.is_object()) {
+    if (st.contains("history") && st["history"].is_array())
+      for (const auto& h : st["history"]) history(h);
+    if (st.contains("last_eval_step") && st["last_eval_step"].is_number_integer()) last_eval_step_ = st["last_eval_step"].get<int>();
+    if (st.contains("train_loss") && st["train_loss"].is_number()) train_loss_ = st["train_loss"].get<double>();
+    if (st.contains("val_loss") && st["val_loss"].is_number()) val_loss_ = st["val_loss"].get<double>();
+    if (st.contains("microbatches") && st["microbatches"].is_object()) {
+      const nlohmann::json& mb = st["microbatches"];
+      auto count = [&](const char* k) { return mb.contains(k) && mb[k].is_number_unsigned() ? mb[k].get<uint64_t>() : uint64_t(0); };
+      resent_before_ = count("resent");
+      duplicates_before_ = count("duplicates");
+      rejected_before_ = count("rejected");
+    }
+  }
+  resumed_ = {{"checkpoint", r.checkpoint->path}, {"step", ck.step}, {"skipped", r.checkpoint->skipped}, {"microbatches_redone", r.redone}};
+  c.info("job " + std::to_string(id_) + " resumes from " + r.checkpoint->path + " at step " + std::to_string(ck.step) + " (" +
+         std::to_string(r.redone) + " microbatch(es) taken after it are done again)");
+}
+
+void TrainingJob::history(nlohmann::json entry) {
+  history_.push_back(std::move(entry));
+  if (history_.size() > kMaxHistory) history_.pop_front();
+}
+
+void TrainingJob::start(Ctx& c) {
+  state_ = JobState::kLoading;
+  run_started_s_ = c.now;
+  // Stage servers left on another job (finished) are free again. Peers that pinned a stage
+  // first, then those that prefer one, then the rest where place_peer puts them.
+  for (auto& [id, p] : c.peers.all()) {
+    p.job_id = 0;
+    p.stage = -1;
+    p.state = PeerState::kIdle;
+    p.integrity_failures = 0;
+  }
+  auto pass_of = [](const Peer& p) { return p.hello.stage >= 0 ? 0 : p.hello.prefer_stage >= 0 ? 1 : 2; };
+  for (int pass = 0; pass < 3; ++pass)
+    for (auto& [id, p] : c.peers.all())
+      if (pass_of(p) == pass && wants(p)) assign(c, p);
+  c.info("job " + std::to_string(id_) + " starting: " + std::to_string(S_) + " stage(s), " + std::to_string(c.peers.size()) + " peer(s)");
+}
+
+void TrainingJob::offer(Ctx& c, Peer& p) {
+  if (wants(p) && p.state == PeerState::kIdle && !c.peers.banned(p, c.now)) assign(c, p);
+}
+
+void TrainingJob::on_peer_gone(Ctx& c, const Peer& p) {
+  step_waiting_.erase(p.id);
+  rounds_.forget(p);
+}
+
+std::string TrainingJob::empty_stages(Ctx& c) const {
+  std::string s;
+  for (int st = 0; st < S_; ++st)
+    if (c.peers.stage_peers(id_, st, c.now).empty()) s += (s.empty() ? "" : ", ") + std::to_string(st);
+  return s;
+}
+
+void TrainingJob::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
+  switch (pd.kind) {
+    case ReqKind::kHop: return hop_result(c, p, pd, m);
+    case ReqKind::kLoad: return on_loaded(c, p, m);
+    case ReqKind::kStep:
+      (void)msg::read<msg::Result>(m);
+      step_waiting_.erase(p.id);
+      return;
+    case ReqKind::kRoundBegin:
+    case ReqKind::kRoundReduce:
+    case ReqKind::kRoundApply: return rounds_.on_reply(c, p, pd, m);
+    case ReqKind::kStateRequest: return on_state_reply(c, p, pd, m);
+    case ReqKind::kStateLoad: {
+      const msg::RoundDone r = msg::read<msg::RoundDone>(m);
+      if (p.state != PeerState::kSyncing) return;
+      p.state = PeerState::kReady;
+      rounds_.samples().forget(p.id);
+      rounds_.note_hash(p, r.hash);
+      c.info("peer " + p.hello.name + " synced stage " + std::to_string(p.stage) + (pd.target.empty() ? " from a donor" : " from " + pd.target));
+      return;
+    }
+    case ReqKind::kSnapshot: return dur_.on_reply(c, p, pd, m);
+  }
+}
+
+void TrainingJob::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) {
+  Peer* p = c.peers.find(pd.peer);
+  switch (pd.kind) {
+    case ReqKind::kHop: {
+      const HopFailure f = flights_.on_failed(c, pd, error, bad_tensor, why);
+      if (!f.blame.empty()) integrity_failure(c, f.blame, f.why);
+      if (f.exhausted) finish(c, JobState::kFailed, f.why);
+      return;
+    }
+    case ReqKind::kLoad:
+      // Idle again, and offered the job again when the ban ends.
+      if (p && p->state == PeerState::kLoading) {
+        p->state = PeerState::kIdle;
+        if (!error) c.peers.ban(*p, c.now);
+      }
+      return;
+    case ReqKind::kStep: step_waiting_.erase(pd.peer); return;
+    case ReqKind::kRoundBegin:
+    case ReqKind::kRoundReduce:
+    case ReqKind::kRoundApply: return rounds_.on_failed(c, pd);
+    case ReqKind::kStateRequest:
+      // Another donor for the waiting peer.
+      if (Peer* t = c.peers.find(pd.target); t && t->state == PeerState::kSyncing) start_sync(c, *t);
+      return;
+    case ReqKind::kStateLoad:
+      // The copy did not land: another donor, or the snapshot.
+      if (p && p->state == PeerState::kSyncing) start_sync(c, *p);
+      return;
+    case ReqKind::kSnapshot: dur_.on_failed(pd); return;
+  }
+}
+
+void TrainingJob::hop_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
+  const HopOutcome o = flights_.on_result(c, p, pd, m);
+  if (!o.blame.empty()) integrity_failure(c, o.blame, o.why);
+  if (o.what == HopOutcome::kRejected) {
+    p.failures++;
+    c.warn("peer " + p.hello.name + " " + o.why + "; re-sending microbatch " + std::to_string(o.index));
+    return;
+  }
+  for (size_t k = 0; k < o.codec_us.size() && k < 4; ++k) codec_us_[k] += o.codec_us[k];
+  if (o.trained_stage >= 0) rounds_.samples().trained(p.id, spec_.diloco.fragments, spec_.batch.microbatch_size);
+  if (o.what == HopOutcome::kEvalDone) {
+    eval_sum_ += *o.loss;
+    eval_count_++;
+    return;
+  }
+  if (o.loss) record_loss(c, o.index, *o.loss);
+  if (o.what == HopOutcome::kCompleted) {
+    completed_++;
+    train_tokens_ += int64_t(spec_.batch.microbatch_size) * spec_.model.seq_len;
+    steps_done_ = int(completed_ / uint64_t(M_));
+  }
+}
+
+void TrainingJob::record_loss(Ctx& c, uint64_t index, double loss) {
+  const uint64_t step = index / uint64_t(M_);
+  auto& [sum, n] = step_loss_[step];
+  sum += loss;
+  n++;
+  if (n < M_) return;
+  train_loss_ = sum / n;
+  const double elapsed = c.now - run_started_s_;
+  history({{"step", step + 1}, {"train_loss", train_loss_}, {"tokens_per_s", elapsed > 0 ? double(train_tokens_) / elapsed : 0.0}});
+  step_loss_.erase(step);
+}
+
+void TrainingJob::take(Ctx& c, uint64_t index, bool eval) {
+  const int B = spec_.batch.microbatch_size, T = spec_.model.seq_len;
+  Microbatch d = sample_microbatch(*data_, eval ? Split::kVal : Split::kTrain, spec_.seed, index, B, T);
+  Flight f;
+  f.index = index;
+  f.eval = eval;
+  f.kind = eval ? HopKind::kEval : (S_ == 1 ? HopKind::kForwardLoss : HopKind::kForward);
+  Flight& in = flights_.add(eval ? (kEvalBit | index) : index, std::move(f));
+  in.inputs[0] = tokens_tensor(d.x, B, T);
+  in.targets = tokens_tensor(d.y, B, T);
+  if (eval) return;
+  taken_++;
+  dur_.write_progress(c, steps_done_, taken_, completed_);
+}
+
+uint64_t TrainingJob::next_barrier_mb() const {
+  const uint64_t M = uint64_t(M_);
+  if (spec_.schedule == Schedule::kSync) return std::min(total_mbs_, (uint64_t(steps_done_) + 1) * M);
+  auto multiple = [](int s, int every) { return every > 0 && s % every == 0; };
+  for (int s = steps_done_ + 1; s < spec_.steps; ++s) {
+    if (delta_round_due(spec_, s, rounds_.last_step(), false) >= 0 || (rounds_.open() && s >= rounds_.apply_step()) ||
+        multiple(s, spec_.eval.every_steps) || multiple(s, spec_.checkpoint.every_steps) ||
+        multiple(s, spec_.checkpoint.snapshot_every_steps))
+      return std::min(total_mbs_, uint64_t(s) * M);
+  }
+  return total_mbs_;
+}
+
+void TrainingJob::advance(Ctx& c) {
+  if (!active()) return;
+  const std::string empty = empty_stages(c);
+  if (state_ == JobState::kLoading) {
+    if (!empty.empty()) {
+      reason_ = "waiting for peers: stage(s) " + empty + " have no ready peer";
+      return;
+    }
+    state_ = JobState::kRunning;
+    run_started_s_ = c.now;
+    persist(c);
+    c.info("job " + std::to_string(id_) + " running");
+  }
+  reason_ = empty.empty() ? "" : "paused: stage(s) " + empty + " have no live peer; start a stage server for them";
+  // An open round moves on in any phase (an overlapped one alongside training); it is applied
+  // only in kRound, at its barrier.
+  if (rounds_.open() && phase_ != Phase::kRound) rounds_.advance(c, false);
+  for (const auto& [peer, donor] : rounds_.take_resyncs())
+    if (Peer* p = c.peers.find(peer)) start_sync(c, *p, donor);
+
+  switch (phase_) {
+    case Phase::kTrain:
+      if (barrier_ == 0) barrier_ = next_barrier_mb();
+      while (flights_.size() < size_t(spec_.max_inflight) && taken_ < barrier_) take(c, taken_, false);
+      flights_.dispatch(c);
+      if (completed_ == barrier_ && flights_.empty()) {
+        barrier_ = 0;
+        on_barrier(c);
+      }
+      break;
+    case Phase::kStepping:
+      if (step_waiting_.empty()) after_step(c);
+      break;
+    case Phase::kRound:
+      if (rounds_.advance(c, true)) after_step(c);
+      break;
+    case Phase::kEval:
+      while (flights_.size() < size_t(spec_.max_inflight) && eval_next_ < uint64_t(spec_.eval.batches)) take(c, eval_next_++, true);
+      flights_.dispatch(c);
+      if (flights_.empty() && eval_next_ >= uint64_t(spec_.eval.batches)) {
+        val_loss_ = eval_count_ ? eval_sum_ / eval_count_ : NAN;
+        last_eval_step_ = steps_done_;
+        history({{"step", steps_done_}, {"val_loss", number_or_null(val_loss_)}});
+        c.info("job " + std::to_string(id_) + " step " + std::to_string(steps_done_) + ": val loss " + std::to_string(val_loss_));
+        after_step(c);
+      }
+      break;
+    case Phase::kSnapshot:
+      if (dur_.advance(c, router_state(c.now), completed_, rounds_.count(), spec_json_)) after_step(c);
+      break;
+    case Phase::kFinishing:
+      if (!dur_.writing()) finish(c, JobState::kDone, "");
+      break;
+  }
+  if (state_ == JobState::kRunning && phase_ == Phase::kTrain) maybe_rebalance(c);
+}
+
+// All microbatches up to a barrier completed. Under `sync` every peer steps (unless the group
+// sums its gradients in a round, which replaces the step).
+void TrainingJob::on_barrier(Ctx& c) {
+  steps_done_ = int(completed_ / uint64_t(M_));
+  if (spec_.schedule == Schedule::kSync && !dense_step(spec_, steps_done_)) {
+    phase_ = Phase::kStepping;
+    for (int s = 0; s < S_; ++s)
+      for (Peer* p : c.peers.stage_peers(id_, s, c.now)) {
+        msg::Step body;
+        body.job_id = id_;
+        Pending pd;
+        pd.kind = ReqKind::kStep;
+        pd.job = id_;
+        pd.stage = s;
+        pd.peer = p->id;
+        pd.deadline_s = c.now + c.deadline_for(*p, spec_.timeouts.backward_s);
+        c.request(pd, msg::make(body));
+        step_waiting_.insert(p->id);
+      }
+    return;
+  }
+  after_step(c);
+}
+
+// After a step (sync) or a barrier (async), and again after each thing it starts: a round,
+// then an evaluation, then a snapshot (and checkpoint), then more training or the end. Each is
+// due at most once per step.
+void TrainingJob::after_step(Ctx& c) {
+  phase_ = Phase::kTrain;
+  const bool end = completed_ >= total_mbs_;
+  const RoundPlan plan = plan_round(spec_, steps_done_, rounds_.last_step(), end, rounds_.open(), rounds_.apply_step());
+  if (plan.action == RoundPlan::kApply) {
+    phase_ = Phase::kRound;
+    return;
+  }
+  if (plan.action == RoundPlan::kOpen) {
+    rounds_.begin(c, plan, steps_done_);
+    if (plan.what == msg::RoundWhat::kDelta)
+      history({{"step", steps_done_}, {"round", rounds_.count()}, {"fragment", plan.fragment}});
+    if (!plan.overlapped) {
+      phase_ = Phase::kRound;
+      return;
+    }
+  }
+  const int every = spec_.eval.every_steps;
+  if (last_eval_step_ != steps_done_ && (end || (every > 0 && steps_done_ % every == 0))) {
+    phase_ = Phase::kEval;
+    eval_sum_ = 0;
+    eval_count_ = 0;
+    eval_next_ = 0;
+    return;
+  }
+  const bool ckpt = dur_.checkpoint_due(steps_done_, end);
+  if (ckpt || dur_.snapshot_due(steps_done_, rounds_.count(), dense_step(spec_, steps_done_))) {
+    phase_ = Phase::kSnapshot;
+    dur_.begin(c, steps_done_, ckpt);
+    return;
+  }
+  dur_.write_progress(c, steps_done_, taken_, completed_);
+  if (!end) return;
+  if (dur_.writing()) phase_ = Phase::kFinishing;
+  else finish(c, JobState::kDone, "");
+}
+
+nlohmann::json TrainingJob::router_state(double now) const {
+  return {{"job_id", id_},
+          {"history", nlohmann::json(std::vector<nlohmann::json>(history_.begin(), history_.end()))},
+          {"last_eval_step", last_eval_step_},
+          {"train_loss", number_or_null(train_loss_)},
+          {"val_loss", number_or_null(val_loss_)},
+          {"train_tokens", train_tokens_},
+          {"elapsed_s", now - run_started_s_},
+          {"microbatches", {{"resent", resent_before_ + flights_.resent}, {"duplicates", duplicates_before_ + duplicates_},
+                            {"rejected", rejected_before_ + flights_.rejected}}}};
+}
+
+void TrainingJob::finish(Ctx& c, JobState st, const std::string& reason) {
+  Job::finish(c, st, reason);
+  flights_.clear();
+  step_waiting_.clear();
+  data_.reset();  // a finished job keeps its figures, not its data
+  persist(c);
+}
+
+void TrainingJob::check(const Requests& r) const {
+  flights_.check(r);
+  SWARM_CHECK(!active() || flights_.size() <= size_t(spec_.max_inflight), "more microbatches in flight than max_inflight");
+  SWARM_CHECK(taken_ >= completed_, "completed more microbatches than were taken");
+  SWARM_CHECK(history_.size() <= kMaxHistory, "history over its bound");
+}
+
+}  // namespace swarm::router

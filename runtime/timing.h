@@ -1,0 +1,32 @@
+// timing.h: the project's one backoff, one deadline formula and one throughput average.
+//
+// Every retry (a hop re-sent, a banned peer, an unresponsive peer, a stage server reconnecting)
+// waits backoff_s; every request the router sends has a deadline from deadline_s; every
+// measured "ms per work unit" (the router's view of a peer, and the peer's own) is the same EMA.
+// Durations in seconds unless the name says otherwise.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+namespace swarm::timing {
+
+// base_s * 2^(n-1), at most cap_s: the wait after the n-th failure in a row (n >= 1).
+inline double backoff_s(double base_s, double cap_s, int n) {
+  return std::min(cap_s, base_s * std::ldexp(1.0, std::max(0, std::min(n, 60) - 1)));
+}
+
+// A request's deadline: four times what it should take (the peer's queue and this work at its
+// measured speed) plus 1 s, at least 2 s, at most cap_s (the job's timeouts).
+inline double deadline_s(double expect_s, double cap_s) {
+  return std::min(cap_s, std::max(2.0, 4.0 * expect_s + 1.0));
+}
+
+// The exponential moving average of a peer's ms per work unit: weight 0.1 on each new sample
+// (SWARM's choice: a few slow hops do not swing routing), the first sample taken as it is.
+constexpr double kEmaWeight = 0.1;
+inline double ema(double average, double sample) {
+  return average <= 0 ? sample : (1 - kEmaWeight) * average + kEmaWeight * sample;
+}
+
+}  // namespace swarm::timing

@@ -1,0 +1,53 @@
+// worker.h: the compute side of a stage server: the stage's model, its inner optimizer, and
+// the peer's side of the within-stage round.
+//
+// Defines swarm::SharedStats (what the compute thread tells the I/O thread for heartbeats) and
+// swarm::Worker, which answers one request at a time with one reply: LOAD_STAGE, the hops
+// (FORWARD, FORWARD_LOSS, BACKWARD, EVAL), STEP, the round (ROUND_BEGIN, ROUND_REDUCE,
+// ROUND_APPLY) and the state transfers (STATE_REQUEST, STATE_LOAD). Bad input is answered with
+// an ERROR that names the request tensor at fault, when it is one (docs/protocol.md); the
+// process is never harmed by it. Injected faults (stages/stage_faults.h) act around each request.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <list>
+#include <map>
+#include <memory>
+
+#include "runtime/codec_spec.h"
+#include "runtime/job_spec.h"
+#include "runtime/messages.h"
+#include "stages/stage_faults.h"
+#include "stages/stage_server.h"
+
+namespace swarm {
+
+class StageModel;
+class AdamW;
+namespace compression {
+class ErrorFeedback;
+}
+
+struct SharedStats {
+  std::atomic<int> stage{-1};
+  std::atomic<uint64_t> job_id{0};
+  std::atomic<bool> ready{false};
+  std::atomic<double> ms_per_unit{0};
+  std::atomic<uint64_t> forwards{0}, backwards{0}, cache_hits{0}, recomputes{0}, steps{0}, errors{0};
+};
+
+class Worker {
+ public:
+  Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults);
+  ~Worker();
+  // Handles one request (number `seq` since the process started, for fault triggers) and returns
+  // the reply: an ERROR for bad input.
+  wire::Message handle(wire::Message& req, uint64_t seq = 0);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace swarm

@@ -1,0 +1,79 @@
+// fake_swarm.h: the router's core driven by hand, with a fake clock and no processes: stage
+// servers that answer what a real one would (of the right sizes, without a model), clients, and
+// the disk kept in memory. Each test decides when time passes and which peer misbehaves.
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "router/core.h"
+#include "runtime/messages.h"
+
+namespace swarm::router::testing {
+
+struct FakePeer {
+  PeerId id;
+  std::string name;
+  int stage = -1;         // the stage the router loaded
+  uint64_t job = 0;
+  bool alive = true;      // dead peers receive nothing and answer nothing
+  bool silent = false;    // alive (heartbeats) but answers nothing
+  std::optional<wire::MsgType> silent_from;  // goes silent when it first receives this type
+  bool auto_answer = true;
+  uint64_t hash = 7;      // the state hash it reports
+  int64_t params = -1;    // what it claims in STAGE_READY (-1: the truth)
+  std::vector<int64_t> wrong_shape;  // non-empty: returns activations of this shape
+  int bad_input_reports = 0;         // reports its next N stage inputs as bad (ERROR bad_tensor, tensor 0)
+  JobSpec spec;                      // the job it loaded
+  std::vector<wire::Message> received;  // everything the router sent it
+};
+
+class FakeSwarm {
+ public:
+  explicit FakeSwarm(CoreOptions opt = {});
+
+  RouterCore core;
+  double now = 0;
+  std::map<PeerId, FakePeer> peers;
+  std::vector<Log> logs;
+  std::map<std::string, std::string> files;          // WriteFile, by path
+  std::map<std::string, std::vector<Checkpoint>> checkpoints;  // WriteCheckpoint, by dir
+  std::map<PeerId, std::vector<wire::Message>> to_clients;
+  std::vector<LoadJob> loads;                        // LoadJob actions not answered yet
+
+  // A stage server says HELLO (stage: --stage; prefer: --prefer-stage).
+  PeerId join(const std::string& name, int stage = -1, int prefer = -1, double emulate = 1);
+  PeerId client();
+  // Submits a job spec (JSON) and answers its LoadJob with the bundled test text; returns the
+  // job id (0 when refused; the refusal stays in to_clients for last_reply).
+  uint64_t submit(const PeerId& client, const nlohmann::json& spec);
+  // The last message the router sent a client (taken out).
+  wire::Message last_reply(const PeerId& client);
+
+  // Delivers a message from `from` and collects what the core does.
+  void deliver(const PeerId& from, wire::Message m);
+  // Runs ticks (every 5 ms of fake time) for `seconds`, heartbeating and answering as each peer
+  // would, until `until` (if given) holds.
+  bool run(double seconds, const std::function<bool()>& until = {});
+  // A peer crashes: it stops answering and heartbeating.
+  void kill(const PeerId& id) { peers.at(id).alive = false; }
+  // The status of a job as `swarm status --json` shows it.
+  nlohmann::json status(uint64_t job) const { return core.status_json(job, now); }
+  bool logged(const std::string& text) const;
+
+  static nlohmann::json tiny_spec(int stages = 2, int steps = 4);
+
+ private:
+  void take(Actions a);
+  void answer(FakePeer& p, const wire::Message& m);
+  std::deque<std::pair<PeerId, wire::Message>> inbox_;   // replies due at the next step
+  double last_beat_ = -1;
+  std::string data_path_;
+};
+
+}  // namespace swarm::router::testing

@@ -1,0 +1,360 @@
+// test_core.cpp: the router's core driven with a fake clock and no processes (fake_swarm.h):
+// peers dying mid-forward, mid-backward, mid-round and mid-checkpoint, a stage losing its last
+// peer, the rebalancer during a round, a restart from a state dir, lying peers, and the bugs
+// that one malformed message used to trigger. Each asserts what the core sent and why.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "fake_swarm.h"
+
+namespace swarm::router {
+namespace {
+
+using nlohmann::json;
+using testing::FakeSwarm;
+using wire::MsgType;
+
+// Peers of a two-stage job, two per stage, pinned.
+std::vector<PeerId> two_by_two(FakeSwarm& f) {
+  return {f.join("a0", 0), f.join("a1", 0), f.join("b0", 1), f.join("b1", 1)};
+}
+
+bool done(FakeSwarm& f, uint64_t job) { return f.status(job)["state"] == "done"; }
+
+// The last message of `type` the router sent to a peer.
+const wire::Message& last_of(FakeSwarm& f, const PeerId& id, MsgType type) {
+  auto& v = f.peers.at(id).received;
+  for (auto it = v.rbegin(); it != v.rend(); ++it)
+    if (it->type == type) return *it;
+  throw std::runtime_error("no such message");
+}
+
+size_t received(const FakeSwarm& f, const PeerId& id, MsgType type) {
+  size_t n = 0;
+  for (const auto& m : f.peers.at(id).received) n += m.type == type;
+  return n;
+}
+
+TEST(Core, TrainsAJobToTheEndWithNothingLost) {
+  FakeSwarm f;
+  two_by_two(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 4));
+  ASSERT_GT(job, 0u);
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  EXPECT_EQ(st["step"], 4);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_EQ(st["microbatches"]["completed"], 8);
+  EXPECT_EQ(st["rounds"], 2);  // inner_steps 2 over 4 steps
+  EXPECT_TRUE(st["val_loss"].is_number());
+  // Every round was reduced by a peer of the group, never by the router.
+  EXPECT_GT(received(f, "p-a0", MsgType::kRoundReduce) + received(f, "p-a1", MsgType::kRoundReduce), 0u);
+}
+
+TEST(Core, APeerDyingMidForwardHasItsHopResentElsewhere) {
+  FakeSwarm f;
+  two_by_two(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 2));
+  f.peers.at("p-a0").silent_from = MsgType::kForward;  // takes a FORWARD and never answers...
+  ASSERT_TRUE(f.run(5, [&] { return received(f, "p-a0", MsgType::kForward) > 0; }));
+  f.kill("p-a0");                                      // ...then dies
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  EXPECT_TRUE(f.logged("peer a0 (p-a0) is gone"));
+  const json st = f.status(job);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_GE(st["microbatches"]["resent"], 1);
+  EXPECT_EQ(st["peers_per_stage"], json::array({1, 2}));
+}
+
+TEST(Core, APeerDyingMidBackwardHasItsHopResentElsewhere) {
+  FakeSwarm f;
+  two_by_two(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 2));
+  f.peers.at("p-a1").silent_from = MsgType::kBackward;
+  ASSERT_TRUE(f.run(5, [&] { return received(f, "p-a1", MsgType::kBackward) > 0; }));
+  f.kill("p-a1");
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_GE(st["microbatches"]["resent"], 1);
+}
+
+TEST(Core, APeerDyingMidRoundLeavesTheRoundToTheOthers) {
+  FakeSwarm f;
+  two_by_two(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 4));
+  // b1 takes its ROUND_BEGIN and dies before answering; the group's round goes on without it.
+  ASSERT_TRUE(f.run(20, [&] { return received(f, "p-b1", MsgType::kRoundBegin) > 0; }));
+  f.peers.at("p-b1").alive = false;
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  EXPECT_EQ(st["rounds"], 2);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_EQ(received(f, "p-b0", MsgType::kRoundApply), 2u);
+}
+
+TEST(Core, AReducerDyingHandsTheReductionToAnotherPeer) {
+  FakeSwarm f;
+  two_by_two(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 2));
+  // a0 joined first, so it reduces stage 0's round: it goes silent, then dies.
+  f.peers.at("p-a0").auto_answer = true;
+  ASSERT_TRUE(f.run(20, [&] { return received(f, "p-a0", MsgType::kRoundBegin) > 0; }));
+  f.peers.at("p-a0").silent = true;
+  ASSERT_TRUE(f.run(20, [&] { return received(f, "p-a0", MsgType::kRoundReduce) > 0; }));
+  f.kill("p-a0");
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  EXPECT_EQ(received(f, "p-a1", MsgType::kRoundReduce), 1u);
+  EXPECT_EQ(f.status(job)["rounds"], 1);
+}
+
+TEST(Core, APeerDyingMidCheckpointSkipsThatCheckpointAndKeepsTheLast) {
+  FakeSwarm f;
+  two_by_two(f);
+  json spec = FakeSwarm::tiny_spec(2, 4);
+  spec["checkpoint"] = {{"dir", "/ck"}, {"every_steps", 2}};
+  spec["routing"] = {{"rebalance", false}};
+  const uint64_t job = f.submit(f.client(), spec);
+  // The snapshot for the step-2 checkpoint goes to one peer per stage; stage 1's dies holding it.
+  ASSERT_TRUE(f.run(20, [&] {
+    for (const char* id : {"p-b0", "p-b1"})
+      for (const auto& m : f.peers.at(id).received)
+        if (m.type == MsgType::kStateRequest && msg::read<msg::StateRequest>(m).full) return true;
+    return false;
+  }));
+  const PeerId asked = received(f, "p-b0", MsgType::kStateRequest) ? "p-b0" : "p-b1";
+  f.kill(asked);
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  EXPECT_TRUE(f.logged("checkpoint at step 2 skipped: no current state for stage 1"));
+  ASSERT_EQ(f.checkpoints["/ck"].size(), 1u);
+  EXPECT_EQ(f.checkpoints["/ck"][0].step, 4);  // the final one, from the survivor
+  EXPECT_EQ(f.status(job)["checkpoints"]["written"], 1);
+}
+
+TEST(Core, AStageLosingItsLastPeerPausesAndResumesWhenOneJoins) {
+  FakeSwarm f;
+  const PeerId a = f.join("a", 0);
+  const PeerId b = f.join("b", 1);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 6));
+  ASSERT_TRUE(f.run(20, [&] { return f.status(job)["rounds"] >= 1 && f.status(job)["step"] >= 3; }));
+  f.kill(b);
+  ASSERT_TRUE(f.run(5, [&] { return f.status(job)["reason"].get<std::string>().find("paused") != std::string::npos; }));
+  EXPECT_EQ(f.status(job)["reason"], "paused: stage(s) 1 have no live peer; start a stage server for them");
+  const int paused_at = f.status(job)["step"];
+  f.run(2);
+  EXPECT_EQ(f.status(job)["step"], paused_at);  // nothing moves while the stage is empty
+  f.join("c", 1);
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  ASSERT_EQ(st["stage_restores"].size(), 1u);  // the newcomer took the stage's snapshot
+  EXPECT_EQ(st["stage_restores"][0]["stage"], 1);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_GT(received(f, "p-c", MsgType::kStateLoad), 0u);
+  (void)a;
+}
+
+TEST(Core, TheRebalancerWaitsForAnOpenRoundThenMoves) {
+  FakeSwarm f;
+  // Stage 0 has three peers, stage 1 one emulated slow one: the bottleneck.
+  f.join("a0", -1, 0);
+  f.join("a1", -1, 0);
+  f.join("a2", -1, 0);
+  f.join("b0", -1, 1);
+  json spec = FakeSwarm::tiny_spec(2, 400);
+  spec["schedule"] = "async";
+  spec["diloco"] = {{"inner_steps", 4}, {"deadline_s", 5}, {"streaming", {{"fragments", 1}, {"overlap_steps", 2}}}};
+  spec["routing"] = {{"rebalance", true}, {"rebalance_period_s", 1}, {"cooldown_s", 0}, {"min_gain", 0.1}};
+  const uint64_t job = f.submit(f.client(), spec);
+  // Overlapped rounds keep a round open much of the time; a move must never happen while one is.
+  bool waited = false;
+  ASSERT_TRUE(f.run(120, [&] {
+    waited |= f.logged("rebalance: a round is open; moves wait until it is applied");
+    return !f.status(job)["routing"]["moves"].empty();
+  }));
+  EXPECT_TRUE(waited);
+  const json mv = f.status(job)["routing"]["moves"][0];
+  EXPECT_EQ(mv["from"], 0);
+  EXPECT_EQ(mv["to"], 1);
+  EXPECT_FALSE(mv["reason"].get<std::string>().empty());
+}
+
+TEST(Core, ARestartedRouterResumesItsJobsFromTheStateDir) {
+  CoreOptions opt;
+  opt.state_dir = "/state";
+  FakeSwarm f(opt);
+  two_by_two(f);
+  json spec = FakeSwarm::tiny_spec(2, 6);
+  spec["checkpoint"] = {{"every_steps", 2}};
+  const uint64_t job = f.submit(f.client(), spec);
+  ASSERT_TRUE(f.run(30, [&] { return f.status(job)["checkpoints"]["written"] >= 1; }));
+  const std::string record = f.files.at("/state/jobs/" + std::to_string(job) + "/job.json");
+  EXPECT_EQ(json::parse(record)["state"], "running");
+
+  // A new core, as a restarted router: it reads the record and continues from the checkpoint.
+  FakeSwarm g(opt);
+  g.checkpoints = f.checkpoints;
+  const json rec = json::parse(record);
+  StoredJob sj{rec["id"].get<uint64_t>(), rec["state"], rec["spec"], rec["checkpoint_dir"]};
+  EXPECT_EQ(sj.checkpoint_dir, "/state/jobs/" + std::to_string(job) + "/checkpoints");
+  Actions a = g.core.restore({sj}, g.now);
+  ASSERT_EQ(a.size(), 1u);
+  const LoadJob& l = std::get<LoadJob>(a[0]);
+  EXPECT_EQ(l.checkpoint_dir, sj.checkpoint_dir);
+  JobLoaded r;
+  r.job = l.job;
+  r.data = std::make_shared<TokenData>(TokenData::load(l.spec.data, l.spec.model.seq_len, l.spec.model.vocab_size));
+  LoadedCheckpoint lc;
+  lc.ckpt = f.checkpoints.at(sj.checkpoint_dir).back();
+  lc.path = sj.checkpoint_dir + "/step-2";
+  r.checkpoint = lc;
+  Actions b = g.core.on_job_loaded(r, g.now);
+  two_by_two(g);
+  ASSERT_TRUE(g.run(30, [&] { return done(g, job); }));
+  const json st = g.status(job);
+  EXPECT_EQ(st["resumed"]["step"], lc.ckpt.step);
+  EXPECT_EQ(st["step"], 6);
+  // Every stage started from the checkpoint's state.
+  EXPECT_GT(received(g, "p-a0", MsgType::kStateLoad) + received(g, "p-a1", MsgType::kStateLoad), 0u);
+}
+
+TEST(Core, ALyingPeerIsQuarantinedAndItsHopsAreRedone) {
+  FakeSwarm f;
+  two_by_two(f);
+  f.peers.at("p-a1").wrong_shape = {2, 8, 15};  // activations of the wrong width
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 6));
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  ASSERT_EQ(st["quarantined"].size(), 1u);
+  EXPECT_EQ(st["quarantined"][0]["peer"], "a1");
+  EXPECT_NE(st["quarantined"][0]["reason"].get<std::string>().find("not f32 [2, 8, 16]"), std::string::npos);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_GE(st["integrity_failures"], 3);
+}
+
+TEST(Core, ABadInputReportNeedsASecondOpinionBeforeItsMakerIsBlamed) {
+  FakeSwarm f;
+  two_by_two(f);
+  // b0 claims the stage inputs it gets are bad. b1 takes them: b0 was wrong, and is blamed.
+  f.peers.at("p-b0").bad_input_reports = 1000;
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 4));
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  ASSERT_EQ(st["quarantined"].size(), 1u);
+  EXPECT_EQ(st["quarantined"][0]["peer"], "b0");
+  EXPECT_NE(st["quarantined"][0]["reason"].get<std::string>().find("reported a good input as bad"), std::string::npos);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+}
+
+TEST(Core, AnInputTwoPeersRejectIsBlamedOnItsMaker) {
+  FakeSwarm f;
+  two_by_two(f);
+  f.peers.at("p-b0").bad_input_reports = 1;
+  f.peers.at("p-b1").bad_input_reports = 1;
+  json spec = FakeSwarm::tiny_spec(2, 2);
+  spec["max_inflight"] = 1;  // one microbatch: both reports are about the same input
+  const uint64_t job = f.submit(f.client(), spec);
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  EXPECT_EQ(st["integrity_failures"], 1);  // the stage-0 peer that made the input
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_TRUE(st["quarantined"].empty());
+}
+
+// ---- one message from anyone used to break the router; now it costs that message ----
+
+TEST(CoreBugs, AHeartbeatWithATextSpeedIsRefusedAndCounted) {
+  FakeSwarm f;
+  const PeerId p = f.join("x");
+  const uint64_t before = f.core.bad_messages();
+  f.deliver(p, wire::json_message(MsgType::kHeartbeat, 0, 0, {{"ms_per_unit", "x"}}));
+  EXPECT_EQ(f.core.bad_messages(), before + 1);
+  const auto& got = f.peers.at(p).received.back();
+  ASSERT_EQ(got.type, MsgType::kError);
+  EXPECT_NE(msg::read<msg::Error>(got).message.find("HEARTBEAT.ms_per_unit must be a number"), std::string::npos);
+  f.run(1);  // ticks use the peer's speed: nothing throws
+}
+
+TEST(CoreBugs, AResultWithATextComputeTimeFailsItsHopWhichIsResent) {
+  FakeSwarm f;
+  two_by_two(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 2));
+  f.peers.at("p-a0").auto_answer = false;  // answers by hand below
+  ASSERT_TRUE(f.run(5, [&] { return received(f, "p-a0", MsgType::kForward) > 0; }));
+  const wire::Message& fwd = last_of(f, "p-a0", MsgType::kForward);
+  f.deliver("p-a0", wire::json_message(MsgType::kResult, fwd.id, fwd.attempt, {{"compute_ms", "x"}}));
+  EXPECT_TRUE(f.logged("peer a0 sent a malformed RESULT: RESULT.compute_ms must be a number"));
+  f.peers.at("p-a0").auto_answer = true;
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));  // the microbatch did not stay "sent" forever
+  EXPECT_EQ(f.status(job)["microbatches"]["lost"], 0);
+}
+
+TEST(CoreBugs, ATransportBenchmarkBeyondTheLimitsIsRefused) {
+  FakeSwarm f;
+  const PeerId c = f.client();
+  f.deliver(c, wire::json_message(MsgType::kSubmit, 5, 0, {{"bench_transport", {{"bytes", 4096}, {"count", 9e18}, {"inflight", -1}}}}));
+  const wire::Message rep = f.last_reply(c);
+  ASSERT_EQ(rep.type, MsgType::kError);
+  EXPECT_NE(msg::read<msg::Error>(rep).message.find("'count' must be an integer in [1, 10000000]"), std::string::npos);
+  json spec = FakeSwarm::tiny_spec();
+  spec["max_inflight"] = 2147483647;
+  EXPECT_EQ(f.submit(c, spec), 0u);
+  const msg::Error e = msg::read<msg::Error>(f.last_reply(c));
+  EXPECT_EQ(e.name, "bad_job_spec");
+  EXPECT_NE(e.message.find("max_inflight: 2147483647 is over the limit of 4096"), std::string::npos);
+}
+
+TEST(CoreBugs, PeersBeyondTheLimitAreRefusedAndPeersRepliesArePaged) {
+  CoreOptions opt;
+  opt.max_peers = 3;
+  FakeSwarm f(opt);
+  for (const char* n : {"a", "b", "c"}) f.join(n);
+  f.join("d");
+  EXPECT_EQ(f.core.registry().size(), 3u);
+  EXPECT_EQ(f.peers.at("p-d").received.back().type, MsgType::kError);
+  const json page = f.core.peers_json(1, 1, f.now);
+  EXPECT_EQ(page["total"], 3);
+  ASSERT_EQ(page["peers"].size(), 1u);
+  EXPECT_EQ(page["peers"][0]["name"], "b");
+}
+
+TEST(CoreBugs, FloatsWhereIntegersBelongAndTinyComputeTimesCannotBreakRouting) {
+  FakeSwarm f;
+  two_by_two(f);
+  const PeerId c = f.client();
+  f.deliver(c, wire::json_message(MsgType::kStatus, 9, 0, {{"job_id", 1e300}}));
+  EXPECT_NE(msg::read<msg::Error>(f.last_reply(c)).message.find("STATUS.job_id must be an unsigned integer"), std::string::npos);
+  const uint64_t job = f.submit(c, FakeSwarm::tiny_spec(2, 2));
+  // A peer that claims 1e-300 ms per hop is believed no further than 4x what the router sees.
+  f.peers.at("p-a0").auto_answer = false;
+  ASSERT_TRUE(f.run(5, [&] { return received(f, "p-a0", MsgType::kForward) > 0; }));
+  f.run(0.2);
+  wire::Message& fwd = const_cast<wire::Message&>(last_of(f, "p-a0", MsgType::kForward));
+  msg::Result r;
+  r.compute_ms = 1e-300;
+  wire::Message rep = msg::make(r, fwd.id, fwd.attempt);
+  wire::Tensor out = wire::make_tensor(wire::DType::kF32, {2, 8, 16}, compression::CodecSpec{}, 2 * 8 * 16 * 4);
+  std::memset(out.data.data(), 0, 2 * 8 * 16 * 4);
+  wire::seal(out);
+  rep.tensors.push_back(std::move(out));
+  f.deliver("p-a0", std::move(rep));
+  const Peer* p = f.core.registry().find("p-a0");
+  ASSERT_NE(p, nullptr);
+  EXPECT_GE(p->ms_per_unit, 0.2 * 1000 / 4 / 2);  // observed ~200 ms for at most 2 units queued
+  EXPECT_NO_THROW(f.status(job));
+  f.peers.at("p-a0").auto_answer = true;
+  EXPECT_TRUE(f.run(30, [&] { return done(f, job); }));
+}
+
+TEST(CoreBugs, AStrangerGetsNothingButHello) {
+  FakeSwarm f;
+  const uint64_t before = f.core.bad_messages();
+  EXPECT_FALSE(f.core.accepts("stranger", MsgType::kSubmit));
+  EXPECT_TRUE(f.core.accepts("stranger", MsgType::kHello));
+  f.deliver("stranger", wire::Message(MsgType::kResult, 3));
+  EXPECT_EQ(f.core.bad_messages(), before + 1);
+}
+
+}  // namespace
+}  // namespace swarm::router
