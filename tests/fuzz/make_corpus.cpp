@@ -192,17 +192,17 @@ void crash_unpacked_total() {
   wire_seed("crash-unpacked-total", std::move(m));
 }
 
-// Found by fuzz_wire_decode in seconds: an envelope whose version (or type) is a string that
+// Found by fuzz_wire_decode in seconds: an envelope whose version or type is a string that
 // is not UTF-8. decode() quotes the field with json::dump() in its error message, which
 // throws nlohmann's type_error 316 instead of WireError; the router and the stage server
 // catch only WireError around decode, so one such message ends their loop.
-void crash_envelope_not_utf8() {
+void crash_envelope_not_utf8(const std::string& name, const json& envelope) {
   std::vector<zmq::message_t> frames;
-  const std::vector<uint8_t> env = json::to_msgpack(json::array({wire::kMagic, std::string("\xae"), 2, 0, 0}));
+  const std::vector<uint8_t> env = json::to_msgpack(envelope);
   const std::vector<uint8_t> body = json::to_msgpack(json::object());
   frames.emplace_back(env.data(), env.size());
   frames.emplace_back(body.data(), body.size());
-  write_file(g_out / "fuzz_wire_decode" / "crash-envelope-not-utf8", fuzz::join_frames(frames));
+  write_file(g_out / "fuzz_wire_decode" / name, fuzz::join_frames(frames));
 }
 
 void spec_seed(const std::string& name, const json& j) {
@@ -258,7 +258,8 @@ int main(int argc, char** argv) {
   try {
     wire_seeds();
     crash_unpacked_total();
-    crash_envelope_not_utf8();
+    crash_envelope_not_utf8("crash-envelope-not-utf8", json::array({wire::kMagic, std::string("\xae"), 2, 0, 0}));
+    crash_envelope_not_utf8("crash-envelope-type-not-utf8", json::array({wire::kMagic, wire::kVersion, std::string("\xae"), 0, 0}));
     spec_seeds();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fuzz_make_corpus: %s\n", e.what());
