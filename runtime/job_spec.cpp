@@ -40,10 +40,45 @@ std::string join_path(const std::string& parent, const std::string& key) {
 
 std::string num(double v) { return shortest_number(v); }
 
-// Long user strings are cut in messages so one error stays one readable line.
-std::string clip(const std::string& s) { return s.size() <= 80 ? s : s.substr(0, 77) + "..."; }
+// Long user strings are cut in messages so one error stays one readable line, at a UTF-8
+// character boundary (a continuation byte is 10xxxxxx) so the message stays UTF-8.
+std::string clip(const std::string& s) {
+  if (s.size() <= 80) return s;
+  size_t cut = 77;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xc0) == 0x80) --cut;
+  return s.substr(0, cut) + "...";
+}
 std::string quote(const std::string& s) { return "\"" + clip(s) + "\""; }
-std::string shown(const json& v) { return clip(v.dump()); }
+// A value as JSON for a message, cut like clip(). Containers below the second level show as
+// [...] and {...}: dump() recurses once per level, and a 1 MiB spec can nest 500,000 deep.
+// A spec from msgpack (SUBMIT, LOAD_STAGE) may hold strings that are not UTF-8, which dump()
+// would throw on: such bytes are shown as U+FFFD.
+void preview(const json& v, int depth, std::string& out) {
+  if (out.size() > 80) return;
+  if (!v.is_array() && !v.is_object()) {
+    out += v.dump(-1, ' ', false, json::error_handler_t::replace);
+    return;
+  }
+  const bool array = v.is_array();
+  if (depth >= 2 && !v.empty()) {
+    out += array ? "[...]" : "{...}";
+    return;
+  }
+  out += array ? '[' : '{';
+  bool first = true;
+  for (auto it = v.begin(); it != v.end() && out.size() <= 80; ++it) {
+    if (!first) out += ',';
+    first = false;
+    if (!array) out += json(it.key()).dump(-1, ' ', false, json::error_handler_t::replace) + ':';
+    preview(*it, depth + 1, out);
+  }
+  out += array ? ']' : '}';
+}
+std::string shown(const json& v) {
+  std::string out;
+  preview(v, 0, out);
+  return clip(out);
+}
 
 const char* type_name(const json& v) {
   switch (v.type()) {
@@ -94,7 +129,11 @@ class Obj {
       if (std::find(allowed.begin(), allowed.end(), k) != allowed.end()) continue;
       std::string best;
       size_t best_d = std::numeric_limits<size_t>::max();
+      // A suggestion is at most a third of the shorter word away, so a key much longer than
+      // every allowed one (they are under 24 bytes) has none; the distance table costs
+      // k.size() x 24 per allowed key, seconds for the 1 MiB key a spec text may hold.
       for (const auto& a : allowed) {
+        if (k.size() > a.size() + 24) continue;
         size_t d = edit_distance(k, a);
         if (d < best_d) best_d = d, best = a;
       }
@@ -689,6 +728,10 @@ JobSpec parse_job_spec_text(const std::string& text, bool check_files) {
     }
     throw SpecError("job spec: not valid JSON: syntax error at line " + std::to_string(line) + ", column " +
                     std::to_string(col) + " (byte " + std::to_string(e.byte) + "): " + parser_reason(e.what()));
+  } catch (const json::out_of_range& e) {
+    // A number past a double's range (1e309): the parser says which, not where.
+    throw SpecError("job spec: not valid JSON: " + parser_reason(e.what()) +
+                    "; numbers must be within about ±1.8e308");
   }
   return parse_job_spec(j, check_files);
 }

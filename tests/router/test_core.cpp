@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "fake_swarm.h"
+#include "tests/support/fake_swarm.h"
 
 namespace swarm::router {
 namespace {

@@ -443,3 +443,48 @@ TEST(JobSpec, DataFilesMustBeFewAndRegular) {
     EXPECT_HAS(e.what(), "is not a regular file");
   }
 }
+
+// A spec that arrives as msgpack (SUBMIT, LOAD_STAGE) may hold strings that are not UTF-8.
+// Quoting such a value in a message must neither throw nlohmann's type_error (it escaped
+// parse_job_spec: found by tests/fuzz/fuzz_wire_decode) nor put broken UTF-8 in the message;
+// nor may cutting a long key in a message split a character.
+TEST(JobSpec, NonUtf8ValuesGiveSpecErrorsWithUtf8Messages) {
+  const json bad = std::string("\xae\xff");
+  const std::vector<std::pair<std::string, json>> cases = {
+      {"steps", bad},
+      {"seed", bad},
+      {"optimizer.lr", bad},
+      {"model.bias", bad},
+      {"partition.layers_per_stage", json::array({bad})},
+      {"data.path", json{{"file", bad}}},
+      {"data.path", json::array({json{{"file", bad}}})},
+  };
+  for (const auto& [path, value] : cases) {
+    const std::string msg = error_of(with(minimal(), path, value));
+    EXPECT_HAS(msg, path);
+    EXPECT_NO_THROW((void)json(msg).dump()) << path << ": the message is not UTF-8";
+  }
+  std::string long_key;
+  for (int i = 0; i < 60; ++i) long_key += "\xc3\xa9";   // "é" x 60: 120 bytes, cut at 80
+  const std::string msg = error_of(with(minimal(), long_key, 1));
+  EXPECT_HAS(msg, "unknown key");
+  EXPECT_NO_THROW((void)json(msg).dump()) << "the cut key is not UTF-8";
+}
+
+// A number past a double's range is the parser's out_of_range, not a parse_error: it escaped
+// parse_job_spec_text (found by tests/fuzz/fuzz_job_spec).
+TEST(JobSpec, NumberOutOfDoubleRangeIsASpecError) {
+  const std::string msg = error_of_text(R"({"steps": 1e309, "data": {"path": "x"}})");
+  EXPECT_HAS(msg, "not valid JSON");
+  EXPECT_HAS(msg, "1e309");
+}
+
+// A value nested 400,000 deep (800 KB of brackets, under the 1 MiB text limit) quoted in a
+// message: dump() recursed once per level and overflowed the stack (found by fuzzing).
+TEST(JobSpec, DeeplyNestedValueIsQuotedWithoutRecursion) {
+  const size_t depth = 400000;
+  const std::string text = R"({"steps": )" + std::string(depth, '[') + std::string(depth, ']') + R"(, "data": {"path": "x"}})";
+  ASSERT_LT(text.size(), swarm::limits::kMaxJobSpecBytes);
+  const std::string msg = error_of_text(text);
+  EXPECT_HAS(msg, "steps: must be an integer, got a list [[[...]]]");
+}

@@ -1,5 +1,5 @@
 // fake_swarm.cpp: implements fake_swarm.h.
-#include "fake_swarm.h"
+#include "tests/support/fake_swarm.h"
 
 #include <unistd.h>
 
@@ -34,7 +34,10 @@ wire::Tensor zeros(std::vector<int64_t> shape, const compression::CodecSpec& cod
 
 }  // namespace
 
-FakeSwarm::FakeSwarm(CoreOptions opt) : core(opt), data_path_(make_data_file()) {}
+FakeSwarm::FakeSwarm(CoreOptions opt) : core(opt) {
+  static const std::string path = make_data_file();  // once per process
+  data_path_ = path;
+}
 
 nlohmann::json FakeSwarm::tiny_spec(int stages, int steps) {
   return {{"name", "tiny"},
@@ -137,6 +140,7 @@ void FakeSwarm::take(Actions actions) {
           unreachable.push_back(p.id);
           continue;
         }
+        if (p.received.size() >= keep_received) p.received.erase(p.received.begin());
         p.received.push_back(wire::Message(s->msg.type, s->msg.id, s->msg.attempt, s->msg.body));
         for (auto& t : s->msg.tensors) p.received.back().tensors.push_back(wire::share(t));
         if (p.silent_from && *p.silent_from == s->msg.type) p.silent = true;
@@ -269,7 +273,7 @@ bool FakeSwarm::run(double seconds, const std::function<bool()>& until) {
   const double end = now + seconds;
   const double beat_s = 0.5;
   while (now < end) {
-    now += 0.005;
+    now += tick_s;
     std::deque<std::pair<PeerId, wire::Message>> due;
     due.swap(inbox_);
     for (auto& [id, m] : due) {

@@ -45,6 +45,8 @@ class FakeSwarm {
   std::map<std::string, std::vector<Checkpoint>> checkpoints;  // WriteCheckpoint, by dir
   std::map<PeerId, std::vector<wire::Message>> to_clients;
   std::vector<LoadJob> loads;                        // LoadJob actions not answered yet
+  double tick_s = 0.005;                             // fake time between ticks in run()
+  size_t keep_received = 100000;                     // messages each peer keeps in `received`
 
   // A stage server says HELLO (stage: --stage; prefer: --prefer-stage).
   PeerId join(const std::string& name, int stage = -1, int prefer = -1, double emulate = 1);
