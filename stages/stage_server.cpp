@@ -29,9 +29,13 @@
 #include "runtime/job_spec.h"
 #include "runtime/log.h"
 #include "runtime/wire.h"
+#include "runtime/memory_estimate.h"
 #include "stages/compute_threads.h"
+#include "stages/device_codec.h"
+#include "stages/device_info.h"
 #include "stages/model.h"
 #include "stages/optim.h"
+#include "stages/precision.h"
 #include "stages/stage_faults.h"
 #include "stages/tensor_codec.h"
 
@@ -55,6 +59,8 @@ struct SharedStats {
   std::atomic<bool> ready{false};
   std::atomic<double> ms_per_unit{0};
   std::atomic<uint64_t> forwards{0}, backwards{0}, cache_hits{0}, recomputes{0}, steps{0}, errors{0};
+  std::atomic<uint64_t> overflows{0}, skipped_steps{0};  // mixed precision (stages/precision.h)
+  std::atomic<double> loss_scale{0};                      // 0: no loss scaling
 };
 
 // Work queue from the I/O thread to the compute thread.
@@ -98,7 +104,8 @@ struct CacheEntry {
 // The compute side: model, optimizer, round state.
 class Worker {
  public:
-  Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults) : opt_(opt), stats_(stats), faults_(faults) {}
+  Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults, const DeviceCaps& caps)
+      : opt_(opt), stats_(stats), faults_(faults), caps_(caps) {}
 
   // Handles one request (number `seq`); returns the reply (an ERROR for bad input).
   Message handle(Message& req, uint64_t seq = 0) {
@@ -252,8 +259,11 @@ class Worker {
     grad_codec_ = compression::parse_codec(spec.compression.gradients);
     outer_codec_ = compression::parse_codec(spec.compression.outer);
     torch::Device dev(opt_.device == "cuda" ? std::string("cuda:0") : opt_.device);
+    // Precision (stages/precision.h): the job's pin, else --precision, resolved on this device.
+    prec_ = StagePrecision(spec.model, opt_.precision, caps_);
+    stats_.loss_scale = prec_.scaling() ? prec_.scale() : 0.0;
     model_ = std::make_unique<StageModel>(spec.model, stage, spec.partition.stages, spec.first_layer(stage),
-                                          spec.partition.layers_per_stage[stage], spec.seed, dev);
+                                          spec.partition.layers_per_stage[stage], spec.seed, dev, prec_.type());
     optim_ = std::make_unique<AdamW>(model_->named_parameters(), spec.optimizer, spec.steps);
     theta_g_ = flatten();
     momentum_.assign(theta_g_.size(), 0.f);
@@ -266,10 +276,13 @@ class Worker {
     stats_.job_id = job;
     stats_.ready = true;
     log_info("stage", "loaded stage " + std::to_string(stage) + " of job " + std::to_string(job) + ": " +
-                          std::to_string(model_->num_parameters()) + " parameters, " + std::to_string(fwd_ms) + " ms per forward");
+                          std::to_string(model_->num_parameters()) + " parameters, " + std::to_string(fwd_ms) + " ms per forward; " +
+                          prec_.reason() + ", " + attention_name(model_->attention()) + " attention; memory estimate " +
+                          estimate_stage_memory(spec, stage, prec_.precision(), dev.is_cuda() && sdpa_available(), dev.is_cuda())
+                              .describe(dev.is_cuda()));
     return Message(MsgType::kStageReady, req.id, req.attempt,
                    json{{"job_id", job}, {"stage", stage}, {"params", model_->num_parameters()}, {"fwd_ms", fwd_ms},
-                        {"hash", state_hash()}});
+                        {"hash", state_hash()}, {"precision", precision_name(prec_.precision())}});
   }
 
   // One forward and backward at the job's microbatch shape: the peer's first throughput figure.
@@ -297,9 +310,9 @@ class Worker {
         throw WireError(WireErrc::kBadTensor, "token id outside the vocabulary");
       return x.to(model_->device());
     }
-    torch::Tensor a = timed(codec_time_.act_dec, [&] { return from_wire(t, 3, spec_.model.d_model); });
+    torch::Tensor a = timed(codec_time_.act_dec, [&] { return decode_input(t, 3, spec_.model.d_model, model_->device()); });
     if (!torch::isfinite(a).all().item<bool>()) throw WireError(WireErrc::kBadTensor, "non-finite values in the stage input");
-    return a.to(model_->device());
+    return a;
   }
 
   torch::Tensor targets_tensor(const wire::Tensor& t, const torch::Tensor& input) {
@@ -334,7 +347,7 @@ class Worker {
         return result(req, json{{"loss", loss}});
       }
       Message rep = result(req, json::object());
-      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(emit(out), act_codec_); }));
+      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_output(emit(out), act_codec_); }));
       return rep;
     }
     if (last) throw WireError(WireErrc::kOutOfOrder, "the last stage takes FORWARD_LOSS, not FORWARD");
@@ -342,7 +355,7 @@ class Worker {
     if (!model_->is_first()) x.requires_grad_(true);
     torch::Tensor out = model_->forward(x);
     Message rep = result(req, json::object());
-    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(emit(out), act_codec_); }));
+    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_output(emit(out), act_codec_); }));
     remember(req.body.value("mb", uint64_t(0)), req.tensors[0].desc.checksum, x, out);
     return rep;
   }
@@ -365,10 +378,11 @@ class Worker {
     const int64_t samples = x.size(0);
     if (!model_->is_first()) x.requires_grad_(true);
     torch::Tensor loss = StageModel::loss(model_->forward(x), y);
-    (loss * double(samples)).backward();
+    prec_.backward(loss, torch::full({}, double(samples), loss.options()), fault_.overflow);  // (loss x samples x scale)'
     stats_.backwards++;
     Message rep = result(req, json{{"loss", loss.item<double>()}, {"samples", samples}});
-    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(emit(x.grad()), grad_codec_); }));
+    const torch::Tensor gx = finish_backward(x, rep);
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_output(emit(gx), grad_codec_); }));
     accumulate(samples);
     return rep;
   }
@@ -377,7 +391,7 @@ class Worker {
     if (model_->is_last()) throw WireError(WireErrc::kOutOfOrder, "the last stage runs its backward inside FORWARD_LOSS");
     need_tensors(req, 2);
     const uint64_t mb = req.body.value("mb", uint64_t(0));
-    torch::Tensor g = timed(codec_time_.grad_dec, [&] { return from_wire(req.tensors[1], 3, spec_.model.d_model); });
+    torch::Tensor g = timed(codec_time_.grad_dec, [&] { return decode_input(req.tensors[1], 3, spec_.model.d_model, model_->device()); });
     if (!torch::isfinite(g).all().item<bool>()) throw WireError(WireErrc::kBadTensor, "non-finite values in the output gradient");
     torch::Tensor x, out;
     bool cached = false;
@@ -398,15 +412,25 @@ class Worker {
     } else {
       stats_.cache_hits++;
     }
-    g = g.to(out.device());
     if (g.sizes() != out.sizes()) throw WireError(WireErrc::kBadTensor, "output gradient shape does not match the stage output");
-    out.backward(g);
+    prec_.backward(out, g, fault_.overflow);  // out.backward(g x scale)
     stats_.backwards++;
     const int64_t samples = x.size(0);
     Message rep = result(req, json{{"cached", cached}, {"samples", samples}});
-    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(emit(x.grad()), grad_codec_); }));
+    const torch::Tensor gx = finish_backward(x, rep);
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_output(emit(gx), grad_codec_); }));
     accumulate(samples);
     return rep;
+  }
+
+  // Mixed precision after a backward: the stage-input gradient unscaled (zeros when this backward
+  // overflowed) and, with loss scaling, {"overflow": bool} in the reply (stages/precision.h).
+  torch::Tensor finish_backward(const torch::Tensor& x, Message& rep) {
+    bool overflow = false;
+    torch::Tensor gx = prec_.finish(model_->is_first() ? torch::Tensor() : x.grad(), model_->parameters(), &overflow);
+    if (prec_.scaling()) rep.body["overflow"] = overflow;
+    if (overflow) stats_.overflows++;
+    return gx;
   }
 
   // Async: a peer steps on its own once it has accumulated inner_batch samples.
@@ -417,18 +441,35 @@ class Worker {
     if (spec_.schedule == "async" && accum_samples_ >= inner) take_step();
   }
 
-  void take_step() {
-    if (accum_samples_ == 0) return;
-    const double norm = optim_->step(accum_samples_);
+  // `skip`: the router's instruction (another stage overflowed). An overflow here skips too.
+  // Returns true when the step was skipped.
+  bool take_step(bool skip = false) {
+    if (accum_samples_ == 0 && !prec_.overflow_pending()) return false;
+    const double scale = prec_.scale();
+    const bool skipped = prec_.skip_step(skip);
+    stats_.loss_scale = prec_.scaling() ? prec_.scale() : 0.0;
+    if (skipped) {
+      optim_->zero_grad();
+      accum_samples_ = 0;
+      stats_.skipped_steps++;
+      log_info("stage", std::string("skipped an optimizer step: ") + (skip ? "the router said so" : "the gradients overflowed") +
+                            "; loss scale " + std::to_string(prec_.scale()));
+      return true;
+    }
+    const double norm = optim_->step(accum_samples_, scale);
     log_debug("stage", "inner step " + std::to_string(optim_->steps_taken()) + " on " + std::to_string(accum_samples_) +
                            " samples, gradient norm " + std::to_string(norm));
     accum_samples_ = 0;
     stats_.steps++;
+    return false;
   }
 
+  // STEP {skip?}: reply {steps, skipped, loss_scale?}.
   Message step(Message& req) {
-    take_step();
-    return result(req, json{{"steps", optim_->steps_taken()}});
+    const bool skipped = take_step(req.body.value("skip", false));
+    json body{{"steps", optim_->steps_taken()}, {"skipped", skipped}};
+    if (prec_.scaling()) body["loss_scale"] = prec_.scale();
+    return result(req, std::move(body));
   }
 
   // --- the within-stage round (DiLoCo outer step) ---
@@ -496,6 +537,16 @@ class Worker {
     if (what == "grad") {
       v = flat_grads();
       samples = accum_samples_;
+      if (prec_.scaling()) {  // unscaled; an overflowed peer contributes nothing this step
+        const float inv = float(1.0 / prec_.scale());  // a power of two: exact
+        if (prec_.skip_step(false)) {
+          std::fill(v.begin(), v.end(), 0.f);
+          samples = 0;
+        } else {
+          for (float& f : v) f *= inv;
+        }
+        stats_.loss_scale = prec_.scale();
+      }
     } else {
       const std::vector<float> theta = flatten();
       v.resize(hi - lo);
@@ -601,6 +652,7 @@ class Worker {
       rep.tensors.push_back(flat_tensor(v, compression::CodecSpec{}));
       rep.body["adam_step"] = step;
       rep.body["steps"] = optim_->steps_taken();
+      rep.body.update(prec_.state());  // loss_scale, loss_scale_good_steps
     }
     return rep;
   }
@@ -619,6 +671,7 @@ class Worker {
       std::vector<float> av = flat_from_wire(req.tensors[4]);
       load_optimizer_flat(am, av, req.body.at("adam_step").get<int64_t>());
       load_flat(theta);
+      prec_.restore(req.body);  // the donor's loss scale, when it sent one
     } else {
       load_flat(tg);
     }
@@ -670,6 +723,8 @@ class Worker {
   compression::CodecSpec act_codec_, grad_codec_, outer_codec_;
   std::unique_ptr<StageModel> model_;
   std::unique_ptr<AdamW> optim_;
+  const DeviceCaps& caps_;  // what the device computes in (probed at start)
+  StagePrecision prec_;
   std::vector<float> theta_g_, momentum_;  // the group's global weights and outer momentum (fp32, CPU)
   int64_t accum_samples_ = 0;              // samples in the gradients since the last inner step
   std::map<int, int64_t> frag_samples_;    // samples since each fragment last synced
@@ -692,14 +747,7 @@ std::string random_id() {
   return s;
 }
 
-// What HELLO says about the device: a name and its memory [bytes], null when unknown. On CPU,
-// "cpu" and the host's RAM. For CUDA, libtorch 1.13 and 2.x share no header-only query of the
-// device's name or memory (both need the CUDA headers), so the device string and null.
-std::pair<std::string, json> device_info(const std::string& device) {
-  if (device.rfind("cuda", 0) == 0) return {device, nullptr};
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  return {"cpu", pages > 0 && page > 0 ? json(int64_t(pages) * int64_t(page)) : json(nullptr)};
-}
+json bytes_or_null(int64_t b) { return b >= 0 ? json(b) : json(nullptr); }
 
 }  // namespace
 
@@ -709,6 +757,16 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     log_error("stage", "--device " + opt.device + " asked for, but this libtorch has no CUDA device available; use --device cpu");
     return 2;
   }
+  // What the device computes in, and what --precision makes of it when a job does not pin one.
+  const DeviceCaps caps = device_caps(torch::Device(opt.device == "cuda" ? std::string("cuda:0") : opt.device), query_device(opt.device));
+  PrecisionChoice own;
+  try {
+    own = resolve_precision(Precision::kAuto, opt.precision, caps);
+  } catch (const InputError& e) {
+    log_error("stage", e.what());
+    return 2;
+  }
+  log_info("stage", "precision " + own.reason + " (unless a job pins model.precision)");
   const std::string name = opt.name.empty() ? default_name() : opt.name;
   const std::string routing_id = random_id();
 
@@ -722,7 +780,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   std::atomic<bool> worker_stop{false};
   StageFaults faults(opt.faults, opt.fault_seed, stats.steps, stop);
   std::thread compute([&] {
-    Worker w(opt, stats, faults);
+    Worker w(opt, stats, faults, caps);
     Inbox::Work work;
     while (inbox.pop(&work, worker_stop)) {
       faults.wait_while_frozen();
@@ -750,12 +808,13 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   auto answer = [&](Message& m) {
     for (auto& f : faults.outgoing(wire::encode(m))) send_frames(f);
   };
-  const std::pair<std::string, json> device = device_info(opt.device);
   auto hello = [&](zmq::socket_t& s) {
     if (faults.partitioned()) return;  // cut off: nothing goes out
+    const DeviceInfo device = query_device(opt.device);  // free memory as of now
     Message h(MsgType::kHello, 0, 0,
               json{{"role", "stage"}, {"version", wire::kVersion}, {"name", name}, {"device", opt.device},
-                   {"device_name", device.first}, {"device_memory_bytes", device.second},
+                   {"device_name", device.name}, {"device_memory_bytes", bytes_or_null(device.total_bytes)},
+                   {"device_memory_free_bytes", bytes_or_null(device.free_bytes)}, {"precision", precision_name(own.precision)},
                    {"stage", opt.stage}, {"prefer_stage", opt.prefer_stage}, {"emulate", opt.emulate}, {"profile", opt.profile},
                    {"threads", opt.threads}, {"pid", int(getpid())}, {"echo", opt.echo}});
     wire::send(s, h);
@@ -868,7 +927,9 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
                       {"queue", inbox.size()}, {"ms_per_unit", stats.ms_per_unit.load()},
                       {"forwards", stats.forwards.load()}, {"backwards", stats.backwards.load()},
                       {"cache_hits", stats.cache_hits.load()}, {"recomputes", stats.recomputes.load()},
-                      {"steps", stats.steps.load()}, {"errors", stats.errors.load()}});
+                      {"steps", stats.steps.load()}, {"errors", stats.errors.load()},
+                      {"overflows", stats.overflows.load()}, {"skipped_steps", stats.skipped_steps.load()},
+                      {"loss_scale", stats.loss_scale.load()}});
       for (auto& f : faults.heartbeat(wire::encode(hb))) send_frames(f);
     }
     const double silence_s = std::chrono::duration<double>(now - last_heard).count();
