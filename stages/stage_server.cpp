@@ -261,7 +261,7 @@ class Worker {
     torch::Device dev(opt_.device == "cuda" ? std::string("cuda:0") : opt_.device);
     // Precision (stages/precision.h): the job's pin, else --precision, resolved on this device.
     prec_ = StagePrecision(spec.model, opt_.precision, caps_);
-    stats_.loss_scale = prec_.scaling() ? prec_.scale() : 0.0;
+    publish_scale();
     model_ = std::make_unique<StageModel>(spec.model, stage, spec.partition.stages, spec.first_layer(stage),
                                           spec.partition.layers_per_stage[stage], spec.seed, dev, prec_.type());
     optim_ = std::make_unique<AdamW>(model_->named_parameters(), spec.optimizer, spec.steps);
@@ -423,6 +423,8 @@ class Worker {
     return rep;
   }
 
+  void publish_scale() { stats_.loss_scale = prec_.scaling() ? prec_.scale() : 0.0; }  // for heartbeats
+
   // Mixed precision after a backward: the stage-input gradient unscaled (zeros when this backward
   // overflowed) and, with loss scaling, {"overflow": bool} in the reply (stages/precision.h).
   torch::Tensor finish_backward(const torch::Tensor& x, Message& rep) {
@@ -447,7 +449,7 @@ class Worker {
     if (accum_samples_ == 0 && !prec_.overflow_pending()) return false;
     const double scale = prec_.scale();
     const bool skipped = prec_.skip_step(skip);
-    stats_.loss_scale = prec_.scaling() ? prec_.scale() : 0.0;
+    publish_scale();
     if (skipped) {
       optim_->zero_grad();
       accum_samples_ = 0;
@@ -545,7 +547,7 @@ class Worker {
         } else {
           for (float& f : v) f *= inv;
         }
-        stats_.loss_scale = prec_.scale();
+        publish_scale();
       }
     } else {
       const std::vector<float> theta = flatten();
@@ -672,6 +674,7 @@ class Worker {
       load_optimizer_flat(am, av, req.body.at("adam_step").get<int64_t>());
       load_flat(theta);
       prec_.restore(req.body);  // the donor's loss scale, when it sent one
+      publish_scale();
     } else {
       load_flat(tg);
     }
