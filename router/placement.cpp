@@ -56,9 +56,7 @@ void validate(const Registry& reg) {
 
 // Bytes `peer` needs for stage s; 0 when the registry has no needs.
 int64_t need_of(const Registry& reg, const PeerView& peer, int s) {
-  if (reg.stage_need.empty()) return 0;
-  const StageNeed& n = reg.stage_need[size_t(s)];
-  return peer.cuda ? n.cuda : n.cpu;
+  return reg.stage_need.empty() ? 0 : reg.stage_need[size_t(s)].of(peer.cuda, peer.precision);
 }
 
 bool fits(const Registry& reg, const PeerView& peer, int s) {
@@ -427,6 +425,17 @@ Rebalance plan_rebalance(const Registry& reg, const RebalanceParams& params, dou
              std::to_string(sk.last) + " the last ready peer of their stage" + sk.memory() + ")");
 }
 
+int64_t StageNeed::of(bool cuda_peer, Precision p) const {
+  const std::array<int64_t, 3>& n = cuda_peer ? cuda : cpu;
+  switch (p) {
+    case Precision::kFp32: return n[0];
+    case Precision::kBf16: return n[1];
+    case Precision::kFp16: return n[2];
+    case Precision::kAuto: break;
+  }
+  return std::max({n[0], n[1], n[2]});
+}
+
 bool peer_fits(const Registry& reg, const PeerView& peer, int stage) {
   validate(reg);
   SWARM_CHECK(stage >= 0 && stage < reg.stages, "stage " + std::to_string(stage) + " out of range");
@@ -472,12 +481,17 @@ std::vector<MemoryShortfall> memory_shortfalls(const Registry& reg) {
 }
 
 std::vector<StageNeed> stage_needs(const JobSpec& spec) {
+  const Precision pinned = spec.model.precision_pin();
+  const Precision order[3] = {Precision::kFp32, Precision::kBf16, Precision::kFp16};
   std::vector<StageNeed> out;
   for (int s = 0; s < spec.partition.stages; ++s) {
     StageNeed n;
-    // CUDA peers run the documented CUDA build (libtorch 2.x): scaled-dot-product attention.
-    n.cuda = estimate_stage_memory_any(spec, s, /*flash_attention=*/true, /*cuda=*/true).need_bytes(true);
-    n.cpu = estimate_stage_memory_any(spec, s, /*flash_attention=*/false, /*cuda=*/false).need_bytes(false);
+    for (size_t i = 0; i < 3; ++i) {
+      const Precision p = pinned == Precision::kAuto ? order[i] : pinned;
+      // CUDA peers run the documented CUDA build (libtorch 2.x): scaled-dot-product attention.
+      n.cuda[i] = estimate_stage_memory(spec, s, p, /*flash_attention=*/true, /*cuda=*/true).need_bytes(true);
+      n.cpu[i] = estimate_stage_memory(spec, s, p, /*flash_attention=*/false, /*cuda=*/false).need_bytes(false);
+    }
     out.push_back(n);
   }
   return out;

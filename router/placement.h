@@ -17,6 +17,7 @@
 // stages no peer can hold (the job waits, saying why). Unknown memory (-1) fits anything.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -40,14 +41,17 @@ struct PeerView {
   double last_moved_s = kNever;  // when the rebalancer last moved it, on the caller's clock [s]
   int last_from = -1;          // the stage it was last moved from; -1: never moved
   int64_t memory_bytes = -1;   // free memory of its device when it said HELLO [bytes]; -1: unknown
-  bool cuda = false;           // a GPU peer (needs StageNeed::cuda); else its device is the host (StageNeed::cpu)
+  bool cuda = false;           // a GPU peer (StageNeed::cuda); else its device is the host (StageNeed::cpu)
+  Precision precision = Precision::kAuto;  // its compute type for the job (the job's pin, else HELLO's); kAuto: unknown
 };
 
-// What serving a stage takes [bytes]: on a CUDA peer, its device's share (the host's RAM holds
-// θ_g and the momentum besides); on a CPU peer, all of it. 0: no constraint.
+// What serving a stage takes [bytes], by the peer's compute precision ([0] fp32, [1] bf16,
+// [2] fp16): on a CUDA peer its device's share (the host's RAM holds θ_g and the momentum
+// besides), on a CPU peer all of it. 0: no constraint.
 struct StageNeed {
-  int64_t cuda = 0;
-  int64_t cpu = 0;
+  std::array<int64_t, 3> cuda{}, cpu{};
+  // The need of a peer of this kind and precision; kAuto: the most over the three.
+  int64_t of(bool cuda_peer, Precision p) const;
 };
 
 // A move a check planned and did not make yet (see RebalanceParams::checks_to_move).
@@ -126,10 +130,10 @@ struct MemoryShortfall {
 // Empty when every stage fits some peer, or nothing is known about memory.
 std::vector<MemoryShortfall> memory_shortfalls(const Registry& reg);
 
-// Every stage's need for the job (runtime/memory_estimate.h, at the job's pinned precision or,
-// when it is `auto`, the most any precision needs): on a CUDA peer with scaled-dot-product
-// attention (the CUDA build is against libtorch 2.x), on a CPU peer with the [T, T] attention
-// matrix (libtorch 1.13's attention).
+// Every stage's need for the job (runtime/memory_estimate.h), for each precision (all three at
+// the job's when it pins model.precision): on a CUDA peer with scaled-dot-product attention (the
+// CUDA build is against libtorch 2.x), on a CPU peer with the [T, T] attention matrix (libtorch
+// 1.13's attention).
 std::vector<StageNeed> stage_needs(const JobSpec& spec);
 
 // One rebalance check: at most one move. A stage with no peer is filled at once (cooldowns,

@@ -93,17 +93,6 @@ StageMemory estimate_stage_memory(const JobSpec& spec, int stage, Precision prec
   return out;
 }
 
-StageMemory estimate_stage_memory_any(const JobSpec& spec, int stage, bool flash_attention, bool cuda) {
-  const Precision pinned = spec.model.precision_pin();
-  if (pinned != Precision::kAuto) return estimate_stage_memory(spec, stage, pinned, flash_attention, cuda);
-  StageMemory best;
-  for (Precision p : {Precision::kFp32, Precision::kBf16, Precision::kFp16}) {
-    StageMemory m = estimate_stage_memory(spec, stage, p, flash_attention, cuda);
-    if (m.device_bytes() > best.device_bytes()) best = m;
-  }
-  return best;
-}
-
 std::string human_bytes(int64_t bytes) {
   char buf[48];
   const double b = double(bytes);

@@ -48,11 +48,6 @@ int64_t stage_parameters(const JobSpec& spec, int stage);
 // router's window bound them), one on the last stage (it runs each backward at once).
 StageMemory estimate_stage_memory(const JobSpec& spec, int stage, Precision precision, bool flash_attention, bool cuda);
 
-// The most a stage can need over the precisions a peer may pick when the job leaves model.precision
-// at `auto` (fp32, bf16, fp16), or at the pinned one: what the router plans with before it knows
-// which precision each peer will choose.
-StageMemory estimate_stage_memory_any(const JobSpec& spec, int stage, bool flash_attention, bool cuda);
-
 // "1.5 GiB", "812 MiB": bytes for people.
 std::string human_bytes(int64_t bytes);
 

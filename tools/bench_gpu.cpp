@@ -59,10 +59,28 @@ json read_json(const std::string& path) {
   return json::parse(ss.str());
 }
 
-// The GPU example's data and optimizer, one stage of GPT-2-medium-sized blocks, pinned precision.
+// 4 MiB of English-like text in a new temp dir: the speed does not depend on the data, and a GPU
+// machine need not have the example's (Debian's fortunes).
+std::string write_text() {
+  char tmpl[] = "/tmp/swarm-bench-gpu-data-XXXXXX";
+  const std::string dir = mkdtemp(tmpl) ? tmpl : "/tmp";
+  const char* words[] = {"the ", "swarm ", "trains ", "one ", "model ", "across ", "many ", "unequal ", "machines, ",
+                         "and ", "every ", "stage ", "keeps ", "its ", "own ", "weights. "};
+  std::string text;
+  uint64_t x = 7;
+  while (text.size() < (size_t(4) << 20)) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    text += words[(x >> 33) % 16];
+  }
+  std::ofstream(dir + "/text.txt") << text;
+  return dir + "/text.txt";
+}
+
+// The GPU example's optimizer, one stage of GPT-2-medium-sized blocks, pinned precision.
 JobSpec bench_spec(Precision precision) {
   json j = read_json(std::string(SWARM_SOURCE_DIR) + "/examples/gpt2_small/job.json");
   j["name"] = "bench_gpu";
+  j["data"] = {{"format", "text"}, {"path", write_text()}, {"val_fraction", 0.1}};
   j["steps"] = kSteps;
   j["schedule"] = "async";  // one peer steps after each 32 samples: the reference's training, no STEP round trips
   j["max_inflight"] = 4;

@@ -5,6 +5,7 @@
 // peer while a job must wait. Registries without memory information behave as before.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -23,7 +24,12 @@ constexpr int64_t kGiB = int64_t(1) << 30;
 Registry with_needs(const std::vector<int64_t>& gib) {
   Registry r;
   r.stages = int(gib.size());
-  for (int64_t g : gib) r.stage_need.push_back(StageNeed{g * kGiB, g * kGiB});
+  for (int64_t g : gib) {
+    StageNeed n;
+    n.cuda.fill(g * kGiB);
+    n.cpu.fill(g * kGiB);
+    r.stage_need.push_back(n);
+  }
   return r;
 }
 
@@ -60,11 +66,30 @@ TEST(MemoryPlacement, NeverOnAPeerThatCannotHoldIt) {
 TEST(MemoryPlacement, CudaAndCpuPeersNeedTheirOwnShare) {
   Registry r;
   r.stages = 1;
-  r.stage_need = {StageNeed{6 * kGiB, 9 * kGiB}};  // a CPU peer also holds θ_g and the momentum
+  StageNeed n;
+  n.cuda.fill(6 * kGiB);
+  n.cpu.fill(9 * kGiB);  // a CPU peer also holds θ_g and the momentum
+  r.stage_need = {n};
   PeerView cpu = gpu("cpu", 8);
   cpu.cuda = false;
   EXPECT_FALSE(peer_fits(r, cpu, 0));
   EXPECT_TRUE(peer_fits(r, gpu("gpu", 8), 0));
+}
+
+TEST(MemoryPlacement, APeersPrecisionDecidesItsNeed) {
+  Registry r;
+  r.stages = 1;
+  StageNeed n;
+  n.cuda = {20 * kGiB, 12 * kGiB, 12 * kGiB};  // fp32, bf16, fp16
+  n.cpu = n.cuda;
+  r.stage_need = {n};
+  PeerView t4 = gpu("t4", 15);
+  t4.precision = Precision::kFp16;  // what its HELLO says, the job not pinning one
+  EXPECT_TRUE(peer_fits(r, t4, 0));
+  t4.precision = Precision::kFp32;  // a job pinning fp32
+  EXPECT_FALSE(peer_fits(r, t4, 0));
+  t4.precision = Precision::kAuto;  // not known: the most any precision needs
+  EXPECT_FALSE(peer_fits(r, t4, 0));
 }
 
 TEST(MemoryPlacement, EmptyStagesHeaviestFirstForAKnownPeer) {
@@ -156,13 +181,22 @@ TEST(MemoryPlacement, NeedsOfAJob) {
   const std::vector<StageNeed> n = stage_needs(spec);
   ASSERT_EQ(n.size(), 4u);
   for (const StageNeed& s : n) {
-    EXPECT_GT(s.cuda, kGiB);
-    EXPECT_GT(s.cpu, s.cuda - kGiB);  // no CUDA runtime share, but θ_g and the momentum
+    EXPECT_GT(s.of(true, Precision::kBf16), kGiB);
+    EXPECT_GT(s.of(false, Precision::kFp32), s.of(true, Precision::kFp32) - kGiB);  // no CUDA share, but θ_g and momentum
+    EXPECT_EQ(s.of(true, Precision::kAuto), std::max({s.cuda[0], s.cuda[1], s.cuda[2]}));
   }
-  EXPECT_GT(n[0].cuda, n[1].cuda);  // the embeddings
+  EXPECT_GT(n[0].of(true, Precision::kFp32), n[1].of(true, Precision::kFp32));  // the embeddings
   // The last stage keeps one graph (it runs each backward at once) but its logits over 50304
   // tokens weigh: 4 bytes x 8 x 1024 x 50304 = 1.5 GiB each copy.
-  EXPECT_GT(n[3].cuda, int64_t(6) * kGiB);
+  EXPECT_GT(n[3].of(true, Precision::kFp32), int64_t(6) * kGiB);
+  // A peer computing in bf16 needs less than one in fp32 (flash attention, halved activations).
+  EXPECT_LT(n[1].of(true, Precision::kBf16), n[1].of(true, Precision::kFp32));
+  // A job that pins its precision needs the same whatever a peer would have picked.
+  JobSpec pinned = spec;
+  pinned.model.precision = "bf16";
+  const StageNeed p = stage_needs(pinned)[1];
+  EXPECT_EQ(p.of(true, Precision::kFp32), n[1].of(true, Precision::kBf16));
+  EXPECT_EQ(p.of(true, Precision::kAuto), n[1].of(true, Precision::kBf16));
 }
 
 }  // namespace
