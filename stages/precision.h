@@ -52,6 +52,8 @@ class StagePrecision {
   // Without scaling: `input_grad` as is, no check.
   torch::Tensor finish(const torch::Tensor& input_grad, const std::vector<torch::Tensor>& params, bool* overflow);
   bool overflow_pending() const { return overflow_pending_; }
+  // The gradients an overflow concerned were dropped (a state load): forget it, scale unchanged.
+  void drop_pending() { overflow_pending_ = false; }
 
   // The optimizer step: true when it must be skipped (an overflow since the last step, or the
   // router's `skip`). Either way the pending overflow is cleared; the scale falls only when this

@@ -28,8 +28,8 @@
 #include "runtime/diloco.h"
 #include "runtime/job_spec.h"
 #include "runtime/log.h"
-#include "runtime/wire.h"
 #include "runtime/memory_estimate.h"
+#include "runtime/wire.h"
 #include "stages/compute_threads.h"
 #include "stages/device_codec.h"
 #include "stages/device_info.h"
@@ -378,7 +378,7 @@ class Worker {
     const int64_t samples = x.size(0);
     if (!model_->is_first()) x.requires_grad_(true);
     torch::Tensor loss = StageModel::loss(model_->forward(x), y);
-    prec_.backward(loss, torch::full({}, double(samples), loss.options()), fault_.overflow);  // (loss x samples x scale)'
+    prec_.backward(loss, torch::full({}, double(samples), loss.options()), fault_.overflow);  // (loss x samples x scale).backward()
     stats_.backwards++;
     Message rep = result(req, json{{"loss", loss.item<double>()}, {"samples", samples}});
     const torch::Tensor gx = finish_backward(x, rep);
@@ -671,10 +671,10 @@ class Worker {
       std::vector<float> theta = flat_from_wire(req.tensors[2]);
       std::vector<float> am = flat_from_wire(req.tensors[3]);
       std::vector<float> av = flat_from_wire(req.tensors[4]);
+      prec_.restore(req.body);  // the donor's loss scale, when it sent one (checked first: throws before any change)
+      publish_scale();
       load_optimizer_flat(am, av, req.body.at("adam_step").get<int64_t>());
       load_flat(theta);
-      prec_.restore(req.body);  // the donor's loss scale, when it sent one
-      publish_scale();
     } else {
       load_flat(tg);
     }
@@ -684,6 +684,7 @@ class Worker {
     sent_.clear();
     accum_samples_ = 0;
     optim_->zero_grad();
+    prec_.drop_pending();  // an overflow in the dropped gradients no longer matters
     return Message(MsgType::kRoundDone, req.id, req.attempt, json{{"stage", stage_}, {"hash", state_hash()}});
   }
 
