@@ -175,6 +175,7 @@ nlohmann::json RouterCore::peers_json(size_t offset, size_t limit, double now) c
     list.push_back({{"id", id}, {"name", p.hello.name}, {"device", p.hello.device}, {"device_name", p.hello.device_name},
                     {"device_memory_bytes", p.hello.device_memory_bytes ? nlohmann::json(*p.hello.device_memory_bytes) : nlohmann::json(nullptr)},
                     {"device_memory_free_bytes", p.hello.device_memory_free_bytes ? nlohmann::json(*p.hello.device_memory_free_bytes) : nlohmann::json(nullptr)},
+                    {"precision", p.hello.precision},
                     {"stage", p.stage}, {"requested_stage", p.hello.stage}, {"preferred_stage", p.hello.prefer_stage},
                     {"state", peer_state_name(p.state)}, {"job_id", p.job_id}, {"emulate", p.hello.emulate},
                     {"profile", p.hello.profile}, {"echo", p.hello.echo}, {"ms_per_unit", p.ms_per_unit},
@@ -184,7 +185,8 @@ nlohmann::json RouterCore::peers_json(size_t offset, size_t limit, double now) c
                     {"heartbeat", {{"stage", hb.stage}, {"job_id", hb.job_id}, {"ready", hb.ready}, {"queue", hb.queue},
                                    {"ms_per_unit", hb.ms_per_unit}, {"forwards", hb.forwards}, {"backwards", hb.backwards},
                                    {"cache_hits", hb.cache_hits}, {"recomputes", hb.recomputes}, {"steps", hb.steps},
-                                   {"errors", hb.errors}}}});
+                                   {"errors", hb.errors}, {"overflows", hb.overflows}, {"skipped_steps", hb.skipped_steps},
+                                   {"loss_scale", hb.loss_scale}}}});
   }
   return {{"peers", list}, {"total", all.size()}, {"offset", offset}};
 }

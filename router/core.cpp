@@ -176,6 +176,9 @@ void RouterCore::Impl::drop_requests(Ctx& c, const Job& j) {
 }
 
 void RouterCore::Impl::advance_jobs(Ctx& c) {
+  // A job that ended while it handled an event (a hop out of attempts) leaves no request behind.
+  if (Job* last = running ? find_job(running) : nullptr; last && !last->active()) drop_requests(c, *last);
+  running = 0;
   Job* j = active_job();
   if (!j) {
     for (auto& q : jobs) {
@@ -193,6 +196,7 @@ void RouterCore::Impl::advance_jobs(Ctx& c) {
     if (p.state == PeerState::kIdle && p.job_id == j->id() && !peers.banned(p, c.now)) j->offer(c, p);
   j->advance(c);
   if (!j->active()) drop_requests(c, *j);
+  else running = j->id();
 }
 RouterCore::RouterCore(CoreOptions opt) : impl_(std::make_unique<Impl>(std::move(opt))) {}
 RouterCore::~RouterCore() = default;

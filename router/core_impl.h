@@ -28,6 +28,7 @@ struct RouterCore::Impl {
   };
   std::map<uint64_t, Submitter> loading;   // jobs whose data is being loaded
   uint64_t next_job_id = 1;
+  uint64_t running = 0;                    // the job that was active after the last event
   uint64_t bad_messages = 0;
   double last_beat_s = -1e300;
 

@@ -70,6 +70,8 @@ void Durability::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) 
   StageState st;
   st.stage = pd.stage;
   st.adam_step = r.adam_step.value_or(-1);
+  st.loss_scale = r.loss_scale;
+  st.loss_scale_good_steps = r.loss_scale_good_steps;
   bool ok = m.tensors.size() == 5 && st.adam_step >= 0;
   std::vector<float>* parts[] = {&st.theta_g, &st.momentum, &st.theta, &st.adam_m, &st.adam_v};
   for (size_t k = 0; ok && k < 5; ++k) ok = flat_values(m.tensors[k], n, parts[k]);

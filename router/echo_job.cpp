@@ -65,6 +65,7 @@ void EchoJob::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
   if (pd.kind != ReqKind::kHop) return;
   const HopOutcome o = flights_.on_result(c, p, pd, m);
   if (o.what == HopOutcome::kCompleted) done_++;
+  if (!o.exhausted.empty()) finish(c, JobState::kFailed, o.exhausted);
 }
 
 void EchoJob::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) {

@@ -160,11 +160,11 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
             std::to_string(cfg_.d_model) + "] in codec " + codec->name();
   }
   if (!bad.empty()) {
-    HopFailure fl = on_failed(c, pd, /*error=*/true, -1, bad);
+    const HopFailure fl = on_failed(c, pd, /*error=*/true, -1, bad);
     out.what = HopOutcome::kRejected;
     out.blame = p.id;
     out.why = bad;
-    (void)fl;
+    if (fl.exhausted) out.exhausted = fl.why;
     return out;
   }
   if (f.suspect_tensor >= 0) {
@@ -179,6 +179,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   f.attempts = 0;
   f.not_before_s = 0;
   if (r.codec_us && r.codec_us->size() == 4) out.codec_us = *r.codec_us;
+  out.overflow = r.overflow.value_or(false);
   auto take = [&]() {
     wire::Tensor t = std::move(m.tensors[0]);
     wire::compress(t);  // once, before it is shared with every send (entropy=zstd)

@@ -74,6 +74,8 @@ struct HopOutcome {
   PeerId blame;                   // an integrity failure to record against this peer
   std::string why;
   std::vector<double> codec_us;   // the peer's codec time for this hop [us], when it said
+  bool overflow = false;          // the backward's gradients overflowed (mixed precision)
+  std::string exhausted;          // kRejected and out of attempts: why the job fails
 };
 
 // What a failed hop did.

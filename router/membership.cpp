@@ -11,18 +11,27 @@ namespace swarm::router {
 
 // A peer for a running job: the stage it pinned (--stage), else the one it prefers
 // (--prefer-stage, movable later), else where the swarm's minimum stage throughput rises most.
+// A stage is never put on a peer whose device cannot hold it (router/placement.h, memory).
 void TrainingJob::assign(Ctx& c, Peer& p) {
+  const swarm::Registry reg = placement_view(c.peers, c.now);
+  const PeerView me = view_of(p);
   int stage = p.hello.stage;
   if (stage >= S_) {
     c.warn("peer " + p.hello.name + " asked for stage " + std::to_string(stage) + " but job " + std::to_string(id_) + " has " +
            std::to_string(S_) + " stages; placing it");
     stage = -1;
   }
-  if (stage < 0 && p.hello.prefer_stage >= 0 && p.hello.prefer_stage < S_) stage = p.hello.prefer_stage;
+  if (stage >= 0 && !peer_fits(reg, me, stage)) {
+    c.warn("peer " + p.hello.name + " pinned stage " + std::to_string(stage) + " but its device cannot hold it; it stays idle");
+    return;
+  }
+  if (stage < 0 && p.hello.prefer_stage >= 0 && p.hello.prefer_stage < S_ && peer_fits(reg, me, p.hello.prefer_stage))
+    stage = p.hello.prefer_stage;
   if (stage < 0) {
     std::string why;
-    stage = place_peer(placement_view(c.peers, c.now), 0.0, &why);
+    stage = place_peer(reg, me, &why);
     c.info("placing peer " + p.hello.name + ": " + why);
+    if (stage < 0) return;  // it can hold no stage of this job: idle
   }
   p.stage = stage;
   p.job_id = id_;
@@ -110,6 +119,8 @@ void TrainingJob::restore_from_snapshot(Ctx& c, Peer& p) {
   msg::StateLoad body;
   body.job_id = id_;
   body.adam_step = st.adam_step;
+  body.loss_scale = st.loss_scale;
+  body.loss_scale_good_steps = st.loss_scale_good_steps;
   wire::Message m = msg::make(body);
   for (const auto* v : {&st.theta_g, &st.momentum, &st.theta, &st.adam_m, &st.adam_v}) {
     wire::Tensor t = wire::make_tensor(wire::DType::kF32, {int64_t(v->size())}, compression::CodecSpec{}, v->size() * 4);
@@ -135,7 +146,11 @@ void TrainingJob::on_state_reply(Ctx& c, Peer& donor, const Pending& pd, wire::M
   if (m.tensors.size() != 2 && m.tensors.size() != 5) return start_sync(c, *t);
   msg::StateLoad body;
   body.job_id = id_;
-  if (m.tensors.size() == 5) body.adam_step = r.adam_step.value_or(0);
+  if (m.tensors.size() == 5) {
+    body.adam_step = r.adam_step.value_or(0);
+    body.loss_scale = r.loss_scale;
+    body.loss_scale_good_steps = r.loss_scale_good_steps;
+  }
   wire::Message load = msg::make(body);
   load.tensors = std::move(m.tensors);
   Pending lp;
@@ -180,20 +195,37 @@ swarm::Registry TrainingJob::placement_view(const Registry& peers, double now) c
   for (const auto& [id, p] : peers.all())
     if (p.job_id == id_ && p.stage >= 0 && p.stage < S_ && p.state != PeerState::kQuarantined) ps.push_back(&p);
   std::sort(ps.begin(), ps.end(), [](const Peer* a, const Peer* b) { return a->seq < b->seq; });
+  reg.stage_need = stage_need_;
   for (const Peer* p : ps) {
-    PeerView v;
-    v.id = p->id;
+    PeerView v = view_of(*p);
     v.stage = p->stage;
-    const double ms = p->speed_ms();
-    v.speed = ms > 0 ? peer_speed(ms, reg.stage_cost[size_t(p->stage)], spec_.batch.microbatch_size / 3.0) : 0.0;
-    v.pinned = p->hello.stage >= 0 && p->hello.stage < S_;
     v.ready = p->state == PeerState::kReady;
     v.movable = v.ready && !peers.banned(*p, now);
-    v.last_moved_s = p->last_moved_s;
-    v.last_from = p->last_from;
     reg.peers.push_back(v);
   }
   return reg;
+}
+
+PeerView TrainingJob::view_of(const Peer& p) const {
+  PeerView v;
+  v.id = p.id;
+  const double ms = p.speed_ms();
+  const std::vector<double> cost = stage_costs_from_params(stage_params_);
+  v.speed = ms > 0 && p.stage >= 0 && p.stage < S_ ? peer_speed(ms, cost[size_t(p.stage)], spec_.batch.microbatch_size / 3.0) : 0.0;
+  v.pinned = p.hello.stage >= 0 && p.hello.stage < S_;
+  v.last_moved_s = p.last_moved_s;
+  v.last_from = p.last_from;
+  v.memory_bytes = p.hello.device_memory_free_bytes.value_or(-1);
+  v.cuda = p.hello.device.rfind("cuda", 0) == 0;
+  v.precision = spec_.model.precision_pin();
+  if (v.precision == Precision::kAuto) {
+    try {
+      v.precision = parse_precision(p.hello.precision);
+    } catch (const InputError&) {
+      v.precision = Precision::kAuto;  // not said: the most any precision needs
+    }
+  }
+  return v;
 }
 
 // On a randomised period: at most one move, decided by plan_rebalance, and only between rounds

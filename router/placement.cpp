@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "runtime/errors.h"
+#include "runtime/memory_estimate.h"
 
 namespace swarm {
 namespace {
@@ -50,6 +51,16 @@ void validate(const Registry& reg) {
   for (double c : reg.stage_cost) SWARM_CHECK(std::isfinite(c) && c > 0, "stage cost must be positive");
   for (const auto& p : reg.peers)
     SWARM_CHECK(p.stage >= 0 && p.stage < reg.stages, "peer " + p.id + " on stage " + std::to_string(p.stage));
+  SWARM_CHECK(reg.stage_need.empty() || int(reg.stage_need.size()) == reg.stages, "stage_need has one entry per stage");
+}
+
+// Bytes `peer` needs for stage s; 0 when the registry has no needs.
+int64_t need_of(const Registry& reg, const PeerView& peer, int s) {
+  return reg.stage_need.empty() ? 0 : reg.stage_need[size_t(s)].of(peer.cuda, peer.precision);
+}
+
+bool fits(const Registry& reg, const PeerView& peer, int s) {
+  return peer.memory_bytes < 0 || need_of(reg, peer, s) <= peer.memory_bytes;
 }
 
 double cost(const Registry& reg, int s) { return reg.stage_cost.empty() ? 1.0 : reg.stage_cost[size_t(s)]; }
@@ -91,7 +102,9 @@ struct Option {
 
 // Why candidates were left out, for the "no move" reason.
 struct Skips {
-  int pinned = 0, unmovable = 0, unmeasured = 0, last = 0;
+  int pinned = 0, unmovable = 0, unmeasured = 0, last = 0, small = 0;
+  // ", 2 without the memory for it", when any.
+  std::string memory() const { return small ? ", " + std::to_string(small) + " without the memory for it" : ""; }
 };
 
 // The state a plan of moves works on.
@@ -129,6 +142,7 @@ class Planner {
       if (!p.movable) { if (skips) skips->unmovable++; continue; }
       if (!(p.speed > 0)) { if (skips) skips->unmeasured++; continue; }
       if (st.ready[size_t(s)] - (p.ready ? 1 : 0) < 1) { if (skips) skips->last++; continue; }  // never empties a stage
+      if (!fits(reg_, p, b)) { if (skips) skips->small++; continue; }
       Option o;
       o.peer = i;
       o.from = s;
@@ -271,28 +285,51 @@ std::vector<double> stage_throughputs(const Registry& reg) {
 }
 
 int place_peer(const Registry& reg, double speed, std::string* reason) {
+  PeerView peer;
+  peer.speed = speed;
+  return place_peer(reg, peer, reason);
+}
+
+int place_peer(const Registry& reg, const PeerView& peer, std::string* reason) {
   validate(reg);
   if (reg.stages <= 0) {
     if (reason) *reason = "no stages";
     return -1;
   }
   const std::vector<double> t = throughputs(reg, effective_speeds(reg));
-  const double v = speed > 0 && std::isfinite(speed) ? speed : median_speed(reg);
+  const double v = peer.speed > 0 && std::isfinite(peer.speed) ? peer.speed : median_speed(reg);
   std::vector<int> count(size_t(reg.stages), 0);
   for (const auto& p : reg.peers) count[size_t(p.stage)]++;
+  // Heavier stages to bigger devices: with its memory known, a peer prefers, among equals, the
+  // heaviest stage it can hold (what a smaller device could not take).
+  const bool by_weight = peer.memory_bytes >= 0 && !reg.stage_need.empty();
+  auto heavier = [&](int a, int b) { return by_weight && need_of(reg, peer, a) > need_of(reg, peer, b); };
+  int lightest = -1;
   for (int s = 0; s < reg.stages; ++s)
-    if (count[size_t(s)] == 0) {
-      if (reason) *reason = "stage " + std::to_string(s) + " has no peer";
-      return s;
-    }
+    if (lightest < 0 || need_of(reg, peer, s) < need_of(reg, peer, lightest)) lightest = s;
+  if (!fits(reg, peer, lightest)) {
+    if (reason)
+      *reason = "no stage fits: the lightest, stage " + std::to_string(lightest) + ", needs " +
+                human_bytes(need_of(reg, peer, lightest)) + " and the peer has " + human_bytes(peer.memory_bytes) + " free";
+    return -1;
+  }
+  int empty = -1;
+  for (int s = 0; s < reg.stages; ++s)
+    if (count[size_t(s)] == 0 && fits(reg, peer, s) && (empty < 0 || heavier(s, empty))) empty = s;
+  if (empty >= 0) {
+    if (reason) *reason = "stage " + std::to_string(empty) + " has no peer";
+    return empty;
+  }
   int best = -1;
   std::vector<double> best_after;
   for (int s = 0; s < reg.stages; ++s) {
+    if (!fits(reg, peer, s)) continue;
     std::vector<double> after = t;
     after[size_t(s)] += v / cost(reg, s);
     if (best >= 0) {
       const int c = compare_sorted(after, best_after);
-      if (c < 0 || (c == 0 && count[size_t(s)] >= count[size_t(best)])) continue;
+      if (c < 0) continue;
+      if (c == 0 && !heavier(s, best) && (heavier(best, s) || count[size_t(s)] >= count[size_t(best)])) continue;
     }
     best = s;
     best_after = std::move(after);
@@ -346,7 +383,7 @@ Rebalance plan_rebalance(const Registry& reg, const RebalanceParams& params, dou
     auto o = planner.best_into(planner.start_state(), b, /*urgent=*/true, true, &sk);
     if (!o) return say("stage " + std::to_string(b) + " has no peer and no peer can move there (" + std::to_string(sk.pinned) + " pinned, " +
                        std::to_string(sk.unmovable) + " not movable now, " + std::to_string(sk.unmeasured) + " not measured, " +
-                       std::to_string(sk.last) + " the last ready peer of their stage)");
+                       std::to_string(sk.last) + " the last ready peer of their stage" + sk.memory() + ")");
     out.move = to_move({*o}, true);
     out.reason = out.move->reason;
     return out;
@@ -385,7 +422,79 @@ Rebalance plan_rebalance(const Registry& reg, const RebalanceParams& params, dou
                pct(best / min_before - 1) + "), under the " + pct(params.min_gain).substr(1) + " margin");
   return say("no move: no peer can lift the bottleneck (" + num(min_before) + kUnit + "; candidates left out: " + std::to_string(sk.pinned) +
              " pinned, " + std::to_string(sk.unmovable) + " not movable now, " + std::to_string(sk.unmeasured) + " not measured, " +
-             std::to_string(sk.last) + " the last ready peer of their stage)");
+             std::to_string(sk.last) + " the last ready peer of their stage" + sk.memory() + ")");
+}
+
+int64_t StageNeed::of(bool cuda_peer, Precision p) const {
+  const std::array<int64_t, 3>& n = cuda_peer ? cuda : cpu;
+  switch (p) {
+    case Precision::kFp32: return n[0];
+    case Precision::kBf16: return n[1];
+    case Precision::kFp16: return n[2];
+    case Precision::kAuto: break;
+  }
+  return std::max({n[0], n[1], n[2]});
+}
+
+bool peer_fits(const Registry& reg, const PeerView& peer, int stage) {
+  validate(reg);
+  SWARM_CHECK(stage >= 0 && stage < reg.stages, "stage " + std::to_string(stage) + " out of range");
+  return fits(reg, peer, stage);
+}
+
+std::vector<size_t> placement_order(const std::vector<PeerView>& peers) {
+  std::vector<size_t> order(peers.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const PeerView &x = peers[a], &y = peers[b];
+    if (x.memory_bytes != y.memory_bytes) return x.memory_bytes > y.memory_bytes;  // unknown (-1) last
+    if (!close(x.speed, y.speed)) return x.speed > y.speed;
+    return x.id < y.id;
+  });
+  return order;
+}
+
+std::vector<MemoryShortfall> memory_shortfalls(const Registry& reg) {
+  validate(reg);
+  std::vector<MemoryShortfall> out;
+  if (reg.stage_need.empty() || reg.peers.empty()) return out;
+  const PeerView* largest = nullptr;
+  for (const PeerView& p : reg.peers) {
+    if (p.memory_bytes < 0) return out;  // a peer of unknown memory may hold anything
+    if (!largest || p.memory_bytes > largest->memory_bytes || (p.memory_bytes == largest->memory_bytes && p.id < largest->id)) largest = &p;
+  }
+  for (int s = 0; s < reg.stages; ++s) {
+    bool any = false;
+    for (const PeerView& p : reg.peers) any = any || fits(reg, p, s);
+    if (any) continue;
+    MemoryShortfall m;
+    m.stage = s;
+    m.need = need_of(reg, *largest, s);
+    m.largest_peer = largest->id;
+    m.largest_bytes = largest->memory_bytes;
+    m.reason = "stage " + std::to_string(s) + " needs " + human_bytes(m.need) + ", but the largest peer, " + m.largest_peer + ", has " +
+               human_bytes(m.largest_bytes) + " free: waiting for a peer with more memory (or lower batch.microbatch_size, "
+               "max_inflight or model.precision; docs/gpu.md)";
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+std::vector<StageNeed> stage_needs(const JobSpec& spec) {
+  const Precision pinned = spec.model.precision_pin();
+  const Precision order[3] = {Precision::kFp32, Precision::kBf16, Precision::kFp16};
+  std::vector<StageNeed> out;
+  for (int s = 0; s < spec.partition.stages; ++s) {
+    StageNeed n;
+    for (size_t i = 0; i < 3; ++i) {
+      const Precision p = pinned == Precision::kAuto ? order[i] : pinned;
+      // CUDA peers run the documented CUDA build (libtorch 2.x): scaled-dot-product attention.
+      n.cuda[i] = estimate_stage_memory(spec, s, p, /*flash_attention=*/true, /*cuda=*/true).need_bytes(true);
+      n.cpu[i] = estimate_stage_memory(spec, s, p, /*flash_attention=*/false, /*cuda=*/false).need_bytes(false);
+    }
+    out.push_back(n);
+  }
+  return out;
 }
 
 double next_rebalance_delay_s(const RebalanceParams& params, double u) {

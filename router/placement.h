@@ -10,13 +10,21 @@
 // Stage s has a relative cost c_s (work per sample; only ratios matter). The peer serves v / c_s
 // samples/s on stage s; a stage serves the sum over its peers; the pipeline runs at the minimum
 // over stages, the bottleneck. A stage with no peer serves 0. See docs/heterogeneous.md.
+//
+// Memory. When the registry knows each stage's need (StageNeed, from runtime/memory_estimate.h)
+// and a peer its free memory, no stage is ever placed on, or moved to, a peer that cannot hold
+// it; heavier stages go to bigger devices when throughputs tie; `memory_shortfalls` names the
+// stages no peer can hold (the job waits, saying why). Unknown memory (-1) fits anything.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "runtime/job_spec.h"
 
 namespace swarm {
 
@@ -32,6 +40,18 @@ struct PeerView {
                                // but is never a stage's only peer for "never empties a stage"
   double last_moved_s = kNever;  // when the rebalancer last moved it, on the caller's clock [s]
   int last_from = -1;          // the stage it was last moved from; -1: never moved
+  int64_t memory_bytes = -1;   // free memory of its device when it said HELLO [bytes]; -1: unknown
+  bool cuda = false;           // a GPU peer (StageNeed::cuda); else its device is the host (StageNeed::cpu)
+  Precision precision = Precision::kAuto;  // its compute type for the job (the job's pin, else HELLO's); kAuto: unknown
+};
+
+// What serving a stage takes [bytes], by the peer's compute precision ([0] fp32, [1] bf16,
+// [2] fp16): on a CUDA peer its device's share (the host's RAM holds θ_g and the momentum
+// besides), on a CPU peer all of it. 0: no constraint.
+struct StageNeed {
+  std::array<int64_t, 3> cuda{}, cpu{};
+  // The need of a peer of this kind and precision; kAuto: the most over the three.
+  int64_t of(bool cuda_peer, Precision p) const;
 };
 
 // A move a check planned and did not make yet (see RebalanceParams::checks_to_move).
@@ -44,6 +64,7 @@ struct Registry {
   int stages = 0;
   std::vector<double> stage_cost;  // [stages] relative cost per sample, > 0; empty: all 1
   std::vector<PeerView> peers;     // in join order (static pipelines follow it)
+  std::vector<StageNeed> stage_need;  // [stages] or empty (memory not considered); see stage_needs
   double last_move_s = kNever;     // the rebalancer's last move of any peer, alive or gone [s]
   Proposal proposal;               // the previous check's Rebalance::proposal
 };
@@ -84,6 +105,36 @@ std::vector<double> stage_throughputs(const Registry& reg);
 // lexicographically largest (the minimum rises most; among equal minimums, the next-lowest
 // stage, and so on); ties: fewest peers, then lowest index. -1 when reg.stages is 0.
 int place_peer(const Registry& reg, double speed, std::string* reason = nullptr);
+// The same for a peer whose memory is known (`peer`: its speed, memory_bytes and cuda; its
+// stage is ignored): only stages it can hold are candidates; a peer of known memory takes the
+// heaviest empty stage it can hold, and among stages whose throughputs tie the heaviest; -1
+// when it can hold none (the reason says how much the lightest stage needs and what it has).
+int place_peer(const Registry& reg, const PeerView& peer, std::string* reason = nullptr);
+
+// True when `peer` can hold stage `stage` (always, without needs or with unknown memory).
+// The caller checks pinned (--stage) and preferred stages with it before it assigns them.
+bool peer_fits(const Registry& reg, const PeerView& peer, int stage);
+
+// Peers in the order a job start should place them: most memory first (unknown memory last),
+// then fastest, then id; with place_peer that sends the heaviest stages to the biggest devices.
+std::vector<size_t> placement_order(const std::vector<PeerView>& peers);
+
+// A stage that no registered peer can hold: what the job's status says while it waits.
+struct MemoryShortfall {
+  int stage = -1;
+  int64_t need = 0;             // bytes the largest peer would need for it
+  std::string largest_peer;     // the peer with the most free memory ("" when no peer is known)
+  int64_t largest_bytes = -1;
+  std::string reason;           // "stage 3 needs 5.20 GiB, but the largest peer, t4-a, has 4.10 GiB free: ..."
+};
+// Empty when every stage fits some peer, or nothing is known about memory.
+std::vector<MemoryShortfall> memory_shortfalls(const Registry& reg);
+
+// Every stage's need for the job (runtime/memory_estimate.h), for each precision (all three at
+// the job's when it pins model.precision): on a CUDA peer with scaled-dot-product attention (the
+// CUDA build is against libtorch 2.x), on a CPU peer with the [T, T] attention matrix (libtorch
+// 1.13's attention).
+std::vector<StageNeed> stage_needs(const JobSpec& spec);
 
 // One rebalance check: at most one move. A stage with no peer is filled at once (cooldowns,
 // margins and checks waived). Otherwise, past the global cooldown, greedy moves into the
@@ -91,8 +142,8 @@ int place_peer(const Registry& reg, double speed, std::string* reason = nullptr)
 // min stage throughput has risen by min_gain; the plan's first move is made once
 // checks_to_move consecutive checks have planned it (a plan has more than one move only when
 // several stages sit near the bottleneck; every check re-plans). A moved peer is movable, unpinned,
-// measured, and never its stage's last ready peer; a move that has not settled (see settle_s)
-// needs reverse_gain.
+// measured, never its stage's last ready peer, and able to hold its new stage; a move that has
+// not settled (see settle_s) needs reverse_gain.
 Rebalance plan_rebalance(const Registry& reg, const RebalanceParams& params, double now_s);
 
 // Seconds until the next rebalance check, for a uniform draw u in [0, 1): the period, jittered

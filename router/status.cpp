@@ -82,6 +82,7 @@ nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
                    {"codec_ms", {{"activations", {{"encode", codec_us_[0] / 1000}, {"decode", codec_us_[1] / 1000}}},
                                  {"gradients", {{"encode", codec_us_[2] / 1000}, {"decode", codec_us_[3] / 1000}}}}},
                    {"integrity_failures", integrity_failures_},
+                   {"skipped_steps", skipped_steps_},
                    {"timeouts", timeouts_},
                    {"quarantined", quarantined_},
                    {"stage_restores", restores_},

@@ -45,6 +45,7 @@ TrainingJob::TrainingJob(uint64_t id, JobSpec spec)
       S_(spec_.partition.stages),
       M_(spec_.microbatches_per_step()),
       stage_params_(stage_parameter_counts(spec_)),
+      stage_need_(stage_needs(spec_)),
       total_mbs_(uint64_t(spec_.steps) * uint64_t(M_)),
       flights_(flight_config(id, spec_)),
       rounds_(id, spec_, stage_params_),
@@ -98,10 +99,20 @@ void TrainingJob::start(Ctx& c) {
     p.state = PeerState::kIdle;
     p.integrity_failures = 0;
   }
+  // The rest most memory first, then fastest (placement_order): the heaviest stages go to the
+  // biggest devices.
   auto pass_of = [](const Peer& p) { return p.hello.stage >= 0 ? 0 : p.hello.prefer_stage >= 0 ? 1 : 2; };
-  for (int pass = 0; pass < 3; ++pass)
+  for (int pass = 0; pass < 2; ++pass)
     for (auto& [id, p] : c.peers.all())
       if (pass_of(p) == pass && wants(p)) assign(c, p);
+  std::vector<Peer*> rest;
+  std::vector<PeerView> views;
+  for (auto& [id, p] : c.peers.all())
+    if (pass_of(p) == 2 && wants(p)) {
+      rest.push_back(&p);
+      views.push_back(view_of(p));
+    }
+  for (size_t i : placement_order(views)) assign(c, *rest[i]);
   c.info("job " + std::to_string(id_) + " starting: " + std::to_string(S_) + " stage(s), " + std::to_string(c.peers.size()) + " peer(s)");
 }
 
@@ -183,10 +194,12 @@ void TrainingJob::hop_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& 
   if (!o.blame.empty()) integrity_failure(c, o.blame, o.why);
   if (o.what == HopOutcome::kRejected) {
     p.failures++;
+    if (!o.exhausted.empty()) return finish(c, JobState::kFailed, o.exhausted);
     c.warn("peer " + p.hello.name + " " + o.why + "; re-sending microbatch " + std::to_string(o.index));
     return;
   }
   for (size_t k = 0; k < o.codec_us.size() && k < 4; ++k) codec_us_[k] += o.codec_us[k];
+  step_overflow_ |= o.overflow;
   if (o.trained_stage >= 0) rounds_.samples().trained(p.id, spec_.diloco.fragments, spec_.batch.microbatch_size);
   if (o.what == HopOutcome::kEvalDone) {
     eval_sum_ += *o.loss;
@@ -246,7 +259,9 @@ void TrainingJob::advance(Ctx& c) {
   const std::string empty = empty_stages(c);
   if (state_ == JobState::kLoading) {
     if (!empty.empty()) {
-      reason_ = "waiting for peers: stage(s) " + empty + " have no ready peer";
+      // A stage no registered peer can hold says so: which stage, how much, the largest peer.
+      const std::vector<MemoryShortfall> short_of = memory_shortfalls(placement_view(c.peers, c.now));
+      reason_ = short_of.empty() ? "waiting for peers: stage(s) " + empty + " have no ready peer" : "waiting for memory: " + short_of[0].reason;
       return;
     }
     state_ = JobState::kRunning;
@@ -304,10 +319,19 @@ void TrainingJob::on_barrier(Ctx& c) {
   steps_done_ = int(completed_ / uint64_t(M_));
   if (spec_.schedule == Schedule::kSync && !dense_step(spec_, steps_done_)) {
     phase_ = Phase::kStepping;
+    // A backward of this step overflowed somewhere (fp16): every stage skips the step, so the
+    // stages never step on different sets of gradients (docs/gpu.md).
+    const bool skip = step_overflow_;
+    step_overflow_ = false;
+    if (skip) {
+      skipped_steps_++;
+      c.info("job " + std::to_string(id_) + ": step " + std::to_string(steps_done_) + " skipped on every stage: a backward's gradients overflowed");
+    }
     for (int s = 0; s < S_; ++s)
       for (Peer* p : c.peers.stage_peers(id_, s, c.now)) {
         msg::Step body;
         body.job_id = id_;
+        body.skip = skip;
         Pending pd;
         pd.kind = ReqKind::kStep;
         pd.job = id_;

@@ -76,6 +76,7 @@ class TrainingJob : public Job {
   void restore_from_snapshot(Ctx& c, Peer& p);
   void on_state_reply(Ctx& c, Peer& donor, const Pending& pd, wire::Message& m);
   swarm::Registry placement_view(const Registry& peers, double now) const;
+  PeerView view_of(const Peer& p) const;     // a peer's speed, memory and precision for placement
   void maybe_rebalance(Ctx& c);
 
   JobSpec spec_;
@@ -84,6 +85,7 @@ class TrainingJob : public Job {
   double unigram_ = 0;
   int S_ = 1, M_ = 1;
   std::vector<int64_t> stage_params_;
+  std::vector<StageNeed> stage_need_;   // what each stage takes in memory (router/placement.h)
   uint64_t total_mbs_ = 0;
   Phase phase_ = Phase::kTrain;
   uint64_t barrier_ = 0;          // microbatch count at which the loop stops to step/sync/evaluate
@@ -104,6 +106,8 @@ class TrainingJob : public Job {
   int eval_count_ = 0;
   uint64_t eval_next_ = 0;
   std::set<PeerId> step_waiting_;
+  bool step_overflow_ = false;    // a backward of the current step overflowed: every stage skips it
+  uint64_t skipped_steps_ = 0;
   nlohmann::json quarantined_ = nlohmann::json::array();
   nlohmann::json restores_ = nlohmann::json::array();
   nlohmann::json resumed_ = nullptr;

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -280,9 +281,9 @@ class Reader {
     if (!m.contains("version") || !m["version"].is_number_integer())
       fail(std::string(kManifest) + ": no format version");
     const int version = m["version"].get<int>();
-    if (version != kCheckpointVersion)
-      fail(std::string(kManifest) + ": format version " + std::to_string(version) + ", this build reads version " +
-           std::to_string(kCheckpointVersion));
+    if (version < kCheckpointOldestVersion || version > kCheckpointVersion)
+      fail(std::string(kManifest) + ": format version " + std::to_string(version) + ", this build reads versions " +
+           std::to_string(kCheckpointOldestVersion) + " to " + std::to_string(kCheckpointVersion));
     for (const char* f : {"step", "next_microbatch", "rounds", "spec", "stages"})
       if (!m.contains(f)) fail(std::string(kManifest) + ": field \"" + f + "\" missing");
 
@@ -308,6 +309,11 @@ class Reader {
     s.stage = js.at("stage").get<int>();
     if (s.stage < 0) fail(std::string(kManifest) + ": negative stage index");
     s.adam_step = js.value("adam_step", int64_t(0));
+    s.loss_scale = js.value("loss_scale", 0.0);   // absent before version 2
+    s.loss_scale_good_steps = js.value("loss_scale_good_steps", int64_t(0));
+    if (!std::isfinite(s.loss_scale) || s.loss_scale < 0 || s.loss_scale_good_steps < 0)
+      fail(std::string(kManifest) + ": stage " + std::to_string(s.stage) + ": loss_scale " + std::to_string(s.loss_scale) +
+           " / loss_scale_good_steps " + std::to_string(s.loss_scale_good_steps) + " must be finite and >= 0");
     const std::string file = js.at("file").get<std::string>();
     if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
       fail(std::string(kManifest) + ": stage " + std::to_string(s.stage) + ": bad file name \"" + file + "\"");
@@ -423,7 +429,8 @@ std::string write_checkpoint(const std::string& dir, const Checkpoint& ckpt, int
         offset += n;
       }
       fs_util::write_file_synced(join(tmp_path, file), pieces, kWhat);
-      stages.push_back({{"stage", s.stage}, {"file", file}, {"bytes", offset}, {"adam_step", s.adam_step}, {"arrays", arrays}});
+      stages.push_back({{"stage", s.stage}, {"file", file}, {"bytes", offset}, {"adam_step", s.adam_step},
+                        {"loss_scale", s.loss_scale}, {"loss_scale_good_steps", s.loss_scale_good_steps}, {"arrays", arrays}});
     }
 
     // Field order as docs/checkpoints.md lists it, for people reading the file.

@@ -23,7 +23,9 @@
 namespace swarm {
 
 constexpr const char* kCheckpointFormat = "swarm-checkpoint";
-constexpr int kCheckpointVersion = 1;
+// Version 2 adds each stage's fp16 loss scale; version 1 checkpoints still read (no scale).
+constexpr int kCheckpointVersion = 2;
+constexpr int kCheckpointOldestVersion = 1;
 
 // Everything one stage needs to continue. Every array is flat fp32 in the stage model's
 // named_parameters() order (the stage server's flatten()); an array may be empty (not
@@ -34,6 +36,10 @@ struct StageState {
   std::vector<float> theta;               // one donor peer's local weights
   std::vector<float> adam_m, adam_v;      // that donor's AdamW moments (exp_avg, exp_avg_sq)
   int64_t adam_step = 0;                  // that donor's AdamW steps taken (bias correction)
+  // That donor's dynamic loss scale (runtime/precision.h LossScaler) and its good steps since the
+  // scale last changed; 0: none (a peer without loss scaling, or a version 1 checkpoint).
+  double loss_scale = 0;
+  int64_t loss_scale_good_steps = 0;
 };
 
 struct Checkpoint {

@@ -33,7 +33,7 @@ namespace {
 constexpr FaultAction kActions[] = {FaultAction::kCrash, FaultAction::kFreeze,    FaultAction::kZombie,
                                     FaultAction::kSlow,  FaultAction::kDrop,      FaultAction::kDelay,
                                     FaultAction::kDuplicate, FaultAction::kCorrupt, FaultAction::kPartition,
-                                    FaultAction::kNan};
+                                    FaultAction::kNan, FaultAction::kOverflow};
 constexpr FaultPoint kPoints[] = {FaultPoint::kBeforeSend, FaultPoint::kAfterRecv, FaultPoint::kBeforeCompute,
                                   FaultPoint::kAfterCompute, FaultPoint::kHeartbeat};
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -59,6 +59,7 @@ std::vector<FaultPoint> points_of(FaultAction a) {
   switch (a) {
     case FaultAction::kSlow:
     case FaultAction::kNan: return {FaultPoint::kBeforeCompute, FaultPoint::kAfterCompute};
+    case FaultAction::kOverflow: return {FaultPoint::kBeforeCompute};  // decided before the backward runs
     case FaultAction::kDrop:
     case FaultAction::kDelay:
     case FaultAction::kDuplicate:
@@ -205,13 +206,15 @@ const char* fault_action_name(FaultAction a) {
     case FaultAction::kCorrupt: return "corrupt";
     case FaultAction::kPartition: return "partition";
     case FaultAction::kNan: return "nan";
+    case FaultAction::kOverflow: return "overflow";
   }
   return "?";
 }
 
 FaultPoint default_point(FaultAction a) {
   switch (a) {
-    case FaultAction::kCrash: return FaultPoint::kBeforeCompute;
+    case FaultAction::kCrash:
+    case FaultAction::kOverflow: return FaultPoint::kBeforeCompute;
     case FaultAction::kSlow:
     case FaultAction::kNan: return FaultPoint::kAfterCompute;
     case FaultAction::kDrop:
@@ -230,7 +233,8 @@ uint64_t default_count(FaultAction a) {
     case FaultAction::kCrash:
     case FaultAction::kFreeze:
     case FaultAction::kZombie:
-    case FaultAction::kPartition: return 1;
+    case FaultAction::kPartition:
+    case FaultAction::kOverflow: return 1;
     default: return 0;
   }
 }
@@ -370,7 +374,8 @@ uint64_t FaultInjector::fired(size_t index) const {
 }
 
 // Heartbeats are opportunities only at the heartbeat point; slow and nan only on hops
-// (FORWARD, FORWARD_LOSS, BACKWARD, EVAL), nan only when the reply carries an output.
+// (FORWARD, FORWARD_LOSS, BACKWARD, EVAL), nan only when the reply carries an output, overflow
+// only on FORWARD_LOSS and BACKWARD.
 bool FaultInjector::applies(const Armed& a, FaultPoint point, const FaultContext& ctx) const {
   const bool heartbeat = ctx.msg_type == int(wire::MsgType::kHeartbeat);
   if ((point == FaultPoint::kHeartbeat) != heartbeat && ctx.msg_type != 0) return false;
@@ -378,6 +383,9 @@ bool FaultInjector::applies(const Armed& a, FaultPoint point, const FaultContext
     if (ctx.msg_type != 0 && !is_hop(ctx.msg_type)) return false;
     if (a.spec.action == FaultAction::kNan && !ctx.has_output) return false;
   }
+  if (a.spec.action == FaultAction::kOverflow && ctx.msg_type != 0 && ctx.msg_type != int(wire::MsgType::kForwardLoss) &&
+      ctx.msg_type != int(wire::MsgType::kBackward))
+    return false;  // only a backward can overflow
   return true;
 }
 

@@ -42,6 +42,8 @@ enum class FaultAction {
   kCorrupt,    // one byte of the message is flipped so that the receiver's checks catch it
   kPartition,  // no traffic in or out, heartbeats included, for duration_s
   kNan,        // the reply's output tensor (and loss) is NaN/Inf
+  kOverflow,   // the backward of a FORWARD_LOSS or BACKWARD overflows, as fp16 gradients can:
+               // its gradients become non-finite (what loss scaling must catch; docs/gpu.md)
 };
 
 const char* fault_point_name(FaultPoint p);
@@ -69,9 +71,9 @@ struct FaultSpec {
   bool operator!=(const FaultSpec& o) const { return !(*this == o); }
 };
 
-// The action's default point and count: crash before_compute, slow/nan after_compute,
+// The action's default point and count: crash and overflow before_compute, slow/nan after_compute,
 // drop/delay/duplicate/corrupt before_send, freeze/zombie/partition after_recv; count 1 for
-// crash/freeze/zombie/partition, unlimited for the rest.
+// crash/freeze/zombie/partition/overflow, unlimited for the rest.
 FaultPoint default_point(FaultAction a);
 uint64_t default_count(FaultAction a);
 

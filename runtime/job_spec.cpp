@@ -386,6 +386,15 @@ void fill_and_validate(JobSpec& s, bool check_files) {
                               "(the number of position embeddings)");
   }
 
+  if (m.precision != "auto" && m.precision != "fp32" && m.precision != "bf16" && m.precision != "fp16") {
+    fail("model.precision", "must be \"auto\" (each peer chooses: bf16 on A100/H100-class GPUs, fp16 on older "
+                            "ones, fp32 on CPUs), \"fp32\", \"bf16\" or \"fp16\", got " + quote(m.precision));
+  }
+  if (m.loss_scale != "auto" && m.loss_scale != "dynamic" && m.loss_scale != "none") {
+    fail("model.loss_scale", "must be \"auto\" (dynamic loss scaling on peers that compute in fp16), \"dynamic\" "
+                             "(on every peer) or \"none\", got " + quote(m.loss_scale));
+  }
+
   // partition
   PartitionSpec& p = s.partition;
   require_positive("partition.stages", p.stages);
@@ -608,7 +617,7 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
   top.get("max_inflight", s.max_inflight);
 
   if (const json* v = top.sub("model")) {
-    Obj o(*v, "model", {"vocab_size", "d_model", "n_head", "n_layer", "seq_len", "max_seq_len", "bias"});
+    Obj o(*v, "model", {"vocab_size", "d_model", "n_head", "n_layer", "seq_len", "max_seq_len", "bias", "precision", "loss_scale"});
     o.get("vocab_size", s.model.vocab_size);
     o.get("d_model", s.model.d_model);
     o.get("n_head", s.model.n_head);
@@ -616,6 +625,8 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
     o.get("seq_len", s.model.seq_len);
     o.get("max_seq_len", s.model.max_seq_len);
     o.get("bias", s.model.bias);
+    o.get("precision", s.model.precision);
+    o.get("loss_scale", s.model.loss_scale);
   }
   if (const json* v = top.sub("partition")) {
     Obj o(*v, "partition", {"stages", "layers_per_stage"});
@@ -745,7 +756,7 @@ json to_json(const JobSpec& s) {
   j["max_inflight"] = s.max_inflight;
   j["model"] = {{"vocab_size", s.model.vocab_size}, {"d_model", s.model.d_model}, {"n_head", s.model.n_head},
                 {"n_layer", s.model.n_layer},       {"seq_len", s.model.seq_len}, {"max_seq_len", s.model.max_seq_len},
-                {"bias", s.model.bias}};
+                {"bias", s.model.bias},             {"precision", s.model.precision}, {"loss_scale", s.model.loss_scale}};
   j["partition"] = {{"stages", s.partition.stages}, {"layers_per_stage", s.partition.layers_per_stage}};
   j["data"] = {{"format", s.data.format}, {"path", s.data.paths}, {"val_fraction", s.data.val_fraction}};
   j["batch"] = {{"batch_size", s.batch.batch_size},

@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/precision.h"
+
 namespace swarm {
 
 // The decisions a job spec names as strings, parsed once (to_json writes the same strings).
@@ -30,6 +32,15 @@ struct ModelSpec {
   int seq_len = 128;         // tokens per sample during training
   int max_seq_len = 0;       // positions in wpe; 0 -> seq_len. seq_len must be <= max_seq_len
   bool bias = true;          // biases in Linear and LayerNorm, as nanoGPT's default
+  // Compute precision: "auto" leaves it to each peer (`swarm-stage --precision`, whose own auto
+  // picks by device); "fp32", "bf16" or "fp16" pins every peer. Weights and optimizer state are
+  // fp32 regardless (docs/gpu.md).
+  std::string precision = "auto";
+  // Dynamic loss scaling: "auto" on peers that compute in fp16, "dynamic" on every peer (exact
+  // in fp32 and bf16: the scale is a power of two), "none" nowhere.
+  std::string loss_scale = "auto";
+
+  Precision precision_pin() const { return parse_precision(precision); }  // kAuto: not pinned
 };
 
 struct PartitionSpec {

@@ -57,6 +57,7 @@ struct Hello {
   std::string name;                  // shown in `swarm peers`; the router keeps 64 bytes of it
   int64_t pid = 0;
   int32_t prefer_stage = -1;
+  std::string precision;             // what it computes in unless a job pins one ("fp32", "bf16", "fp16")
   std::string profile;
   Role role = Role::kStage;
   int32_t stage = -1;
@@ -72,6 +73,7 @@ struct Hello {
     v.field("emulate", emulate, kOptional, 1.0, 1e6);
     v.field("name", name, kOptional, size_t(255));
     v.field("pid", pid, kOptional, int64_t(0), wire::kIntMax);
+    v.field("precision", precision, kOptional, size_t(16));
     v.field("prefer_stage", prefer_stage, kOptional, -1, kMaxStageIndex);
     v.field("profile", profile, kOptional, size_t(64));
     role = Role(v.choice("role", role_names(), kRequired, int(role)));
@@ -103,10 +105,13 @@ struct Heartbeat {
   static constexpr MsgType kType = MsgType::kHeartbeat;
   uint64_t backwards = 0, cache_hits = 0, errors = 0, forwards = 0;
   uint64_t job_id = 0;
+  double loss_scale = 0;       // its current loss scale; 0: no loss scaling
   double ms_per_unit = 0;      // the peer's own EMA of compute ms per work unit; 0: not measured
+  uint64_t overflows = 0;      // backwards whose gradients overflowed (mixed precision)
   uint64_t queue = 0;          // requests waiting for its compute thread
   bool ready = false;
   uint64_t recomputes = 0;
+  uint64_t skipped_steps = 0;  // optimizer steps skipped for an overflow
   int32_t stage = -1;
   uint64_t steps = 0;
   template <class V>
@@ -116,10 +121,13 @@ struct Heartbeat {
     v.field("errors", errors, kOptional, kMaxCount);
     v.field("forwards", forwards, kOptional, kMaxCount);
     v.field("job_id", job_id, kOptional, kMaxCount);
+    v.field("loss_scale", loss_scale, kOptional, 0.0, 1e30);
     v.field("ms_per_unit", ms_per_unit, kOptional, 0.0, kMaxMs);
+    v.field("overflows", overflows, kOptional, kMaxCount);
     v.field("queue", queue, kOptional, kMaxCount);
     v.field("ready", ready, kOptional);
     v.field("recomputes", recomputes, kOptional, kMaxCount);
+    v.field("skipped_steps", skipped_steps, kOptional, kMaxCount);
     v.field("stage", stage, kOptional, -1, kMaxStageIndex);
     v.field("steps", steps, kOptional, kMaxCount);
   }
@@ -169,6 +177,7 @@ struct StageReady {
   uint64_t hash = 0;       // state hash of theta_g and momentum
   uint64_t job_id = 0;
   int64_t params = 0;      // the stage's parameter count
+  std::string precision;   // what it computes this stage in
   int32_t stage = -1;
   template <class V>
   void visit(V& v) {
@@ -177,6 +186,7 @@ struct StageReady {
     v.field("hash", hash, kOptional);
     v.field("job_id", job_id, kOptional, kMaxCount);
     v.field("params", params, kOptional, int64_t(0), int64_t(1) << 40);
+    v.field("precision", precision, kOptional, size_t(16));
     v.field("stage", stage, kOptional, -1, kMaxStageIndex);
   }
 };
@@ -204,8 +214,11 @@ struct Result {
   std::optional<std::vector<double>> codec_us;  // [act encode, act decode, grad encode, grad decode] [us]
   std::optional<double> compute_ms;           // compute time of a hop [ms], padded by --emulate
   std::optional<double> loss;                 // FORWARD_LOSS, last-stage EVAL: mean cross-entropy
+  std::optional<double> loss_scale;           // STEP: the peer's loss scale after it (with loss scaling)
   uint64_t mb = 0;
+  std::optional<bool> overflow;               // a backward's gradients overflowed (with loss scaling)
   std::optional<int64_t> samples;
+  std::optional<bool> skipped;                // STEP: the step was skipped
   int32_t stage = -1;
   std::optional<int64_t> steps;               // STEP: inner steps taken so far
   template <class V>
@@ -214,8 +227,11 @@ struct Result {
     v.field("codec_us", codec_us, kOptional, size_t(4), 0.0, 1e15);
     v.field("compute_ms", compute_ms, kOptional, 0.0, kMaxMs);
     v.field("loss", loss, kOptional, 0.0, 1e6);
+    v.field("loss_scale", loss_scale, kOptional, 0.0, 1e30);
     v.field("mb", mb, kOptional);
+    v.field("overflow", overflow, kOptional);
     v.field("samples", samples, kOptional, int64_t(0), int64_t(kMaxCount));
+    v.field("skipped", skipped, kOptional);
     v.field("stage", stage, kOptional, -1, kMaxStageIndex);
     v.field("steps", steps, kOptional, int64_t(0), int64_t(kMaxCount));
   }
@@ -224,8 +240,12 @@ struct Result {
 struct Step {
   static constexpr MsgType kType = MsgType::kStep;
   uint64_t job_id = 0;
+  bool skip = false;       // drop the step's gradients: a backward of this step overflowed on some stage
   template <class V>
-  void visit(V& v) { v.field("job_id", job_id, kRequired, kMaxCount); }
+  void visit(V& v) {
+    v.field("job_id", job_id, kRequired, kMaxCount);
+    v.field("skip", skip, kOptional);
+  }
 };
 
 // The round's identity, shared by ROUND_BEGIN, ROUND_REDUCE and ROUND_APPLY.
@@ -330,6 +350,8 @@ struct StateReply {
   std::optional<int64_t> adam_step;
   bool full = false;
   uint64_t hash = 0;
+  double loss_scale = 0;              // full: its loss scale (0: no loss scaling)
+  int64_t loss_scale_good_steps = 0;  // full: good steps since the scale last changed
   int32_t stage = -1;
   std::optional<int64_t> steps;
   template <class V>
@@ -337,6 +359,8 @@ struct StateReply {
     v.field("adam_step", adam_step, kOptional, int64_t(0), int64_t(kMaxCount));
     v.field("full", full, kOptional);
     v.field("hash", hash, kOptional);
+    v.field("loss_scale", loss_scale, kOptional, 0.0, 1e30);
+    v.field("loss_scale_good_steps", loss_scale_good_steps, kOptional, int64_t(0), int64_t(kMaxCount));
     v.field("stage", stage, kOptional, -1, kMaxStageIndex);
     v.field("steps", steps, kOptional, int64_t(0), int64_t(kMaxCount));
   }
@@ -346,10 +370,14 @@ struct StateLoad {
   static constexpr MsgType kType = MsgType::kStateLoad;
   std::optional<int64_t> adam_step;   // required with 5 tensors
   uint64_t job_id = 0;
+  double loss_scale = 0;              // with 5 tensors: the loss scale to continue with (0: keep its own)
+  int64_t loss_scale_good_steps = 0;
   template <class V>
   void visit(V& v) {
     v.field("adam_step", adam_step, kOptional, int64_t(0), int64_t(kMaxCount));
     v.field("job_id", job_id, kRequired, kMaxCount);
+    v.field("loss_scale", loss_scale, kOptional, 0.0, 1e30);
+    v.field("loss_scale_good_steps", loss_scale_good_steps, kOptional, int64_t(0), int64_t(kMaxCount));
   }
 };
 

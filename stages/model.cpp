@@ -7,7 +7,6 @@
 #include "stages/model.h"
 
 #include <cmath>
-#include <limits>
 
 #include "runtime/errors.h"
 #include "runtime/random.h"
@@ -84,9 +83,10 @@ const torch::Tensor& StageModel::p(int index) const {
 }
 
 StageModel::StageModel(const ModelSpec& model, int stage, int num_stages, int first_layer,
-                       int num_layers, uint64_t seed, torch::Device device)
+                       int num_layers, uint64_t seed, torch::Device device, torch::ScalarType compute,
+                       AttentionImpl attention)
     : spec_(model), stage_(stage), num_stages_(num_stages), first_layer_(first_layer),
-      num_layers_(num_layers), device_(device) {
+      num_layers_(num_layers), device_(device), compute_(compute), attention_(resolve_attention(attention)) {
   SWARM_CHECK(num_stages >= 1 && stage >= 0 && stage < num_stages, "stage index out of range");
   SWARM_CHECK(first_layer >= 0 && num_layers >= 0 && first_layer + num_layers <= model.n_layer,
               "blocks [" + std::to_string(first_layer) + ", " + std::to_string(first_layer + num_layers) +
@@ -124,27 +124,31 @@ StageModel::StageModel(const ModelSpec& model, int stage, int num_stages, int fi
   }
 }
 
+torch::Tensor StageModel::linear(const torch::Tensor& x, int weight, int bias) const {
+  const torch::Tensor& b = p(bias);
+  return torch::linear(x.to(compute_), p(weight).to(compute_), b.defined() ? b.to(compute_) : b);
+}
+
 torch::Tensor StageModel::block_forward(const std::vector<int>& b, const torch::Tensor& x,
                                         const torch::Tensor& future) const {
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
   const int64_t nh = spec_.n_head, hd = C / nh;
+  const torch::ScalarType residual = x.scalar_type();  // fp32 (double in gradient checks)
 
   // Attention: [B, T, C] -> q, k, v [B, nh, T, hd]; causal softmax(q k^T / sqrt(hd)) v.
   torch::Tensor h = torch::layer_norm(x, {C}, p(b[kLn1W]), p(b[kLn1B]), kLayerNormEps);
-  torch::Tensor qkv = torch::linear(h, p(b[kAttnW]), p(b[kAttnB]));  // [B, T, 3C]
+  torch::Tensor qkv = linear(h, b[kAttnW], b[kAttnB]);  // [B, T, 3C]
   std::vector<torch::Tensor> parts = qkv.split(C, /*dim=*/2);
   torch::Tensor q = parts[0].view({B, T, nh, hd}).transpose(1, 2);
   torch::Tensor k = parts[1].view({B, T, nh, hd}).transpose(1, 2);
   torch::Tensor v = parts[2].view({B, T, nh, hd}).transpose(1, 2);
-  torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  att = torch::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
-  torch::Tensor y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
-  torch::Tensor out = x + torch::linear(y, p(b[kAttnProjW]), p(b[kAttnProjB]));
+  torch::Tensor y = causal_attention(q, k, v, future, attention_).transpose(1, 2).contiguous().view({B, T, C});
+  torch::Tensor out = x + linear(y, b[kAttnProjW], b[kAttnProjB]).to(residual);
 
   // MLP: C -> 4C -> GELU (tanh approximation, as GPT-2) -> C.
   h = torch::layer_norm(out, {C}, p(b[kLn2W]), p(b[kLn2B]), kLayerNormEps);
-  h = at::gelu(torch::linear(h, p(b[kFcW]), p(b[kFcB])), "tanh");
-  return out + torch::linear(h, p(b[kMlpProjW]), p(b[kMlpProjB]));
+  h = at::gelu(linear(h, b[kFcW], b[kFcB]), "tanh");
+  return out + linear(h, b[kMlpProjW], b[kMlpProjB]).to(residual);
 }
 
 torch::Tensor StageModel::forward(const torch::Tensor& input) {
@@ -169,7 +173,7 @@ torch::Tensor StageModel::forward(const torch::Tensor& input) {
   }
   if (is_last()) {
     x = torch::layer_norm(x, {spec_.d_model}, p(ln_f_w_), p(ln_f_b_), kLayerNormEps);
-    x = torch::linear(x, p(lm_head_));  // [B, T, V]
+    x = linear(x, lm_head_, -1).to(x.scalar_type());  // [B, T, V], fp32 for the loss
   }
   return x;
 }
@@ -196,6 +200,7 @@ int64_t StageModel::num_parameters() const {
 
 void StageModel::to_dtype(torch::ScalarType dtype) {
   torch::NoGradGuard no_grad;
+  compute_ = dtype;
   for (auto& np : params_) {
     torch::Tensor t = np.second.detach().to(dtype).clone();
     t.set_requires_grad(true);

@@ -11,6 +11,12 @@
 // causal multi-head attention, MLP C -> 4C -> C with tanh-approximated GELU. Linear weights
 // are [out, in] as torch.nn.Linear. Init: Linear and Embedding weights N(0, 0.02), the two
 // c_proj weights N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm weight 1 and bias 0.
+//
+// Mixed precision by explicit casts, the policy autocast applies: parameters stay fp32 leaves;
+// each linear layer casts its input, weight and bias to the compute type (bf16/fp16), so its
+// matrix product runs there and its gradient flows back to the fp32 weight; LayerNorms, the
+// attention softmax, the residual stream, the logits and the loss stay fp32. Stage inputs and
+// outputs are fp32 whatever the compute type. In fp32 every cast is a no-op.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +27,7 @@
 #include <torch/torch.h>
 
 #include "runtime/job_spec.h"
+#include "stages/attention.h"
 
 namespace swarm {
 
@@ -28,8 +35,11 @@ class StageModel {
  public:
   // Stage `stage` of `num_stages`, holding transformer blocks [first_layer, first_layer + num_layers).
   // Block names use the global layer index ("transformer.h.{first_layer + i}...").
+  // `compute`: the type of the matrix products (kFloat32, kBFloat16, kHalf); `attention`: which
+  // implementation (stages/attention.h; kAuto: scaled-dot-product attention on libtorch 2.x).
   StageModel(const ModelSpec& model, int stage, int num_stages, int first_layer, int num_layers,
-             uint64_t seed, torch::Device device = torch::kCPU);
+             uint64_t seed, torch::Device device = torch::kCPU, torch::ScalarType compute = torch::kFloat32,
+             AttentionImpl attention = AttentionImpl::kAuto);
 
   bool is_first() const { return stage_ == 0; }
   bool is_last() const { return stage_ == num_stages_ - 1; }
@@ -52,6 +62,8 @@ class StageModel {
   std::vector<torch::Tensor> parameters() const;
   int64_t num_parameters() const;
   torch::Device device() const { return device_; }
+  torch::ScalarType compute_type() const { return compute_; }
+  AttentionImpl attention() const { return attention_; }
 
   // The initial value of parameter `name` (a full nanoGPT name) for `seed`, as float32 in
   // row-major order; what the constructor copies into the tensor. Exposed for tests and tools.
@@ -59,19 +71,24 @@ class StageModel {
                                         const std::vector<int64_t>& shape, uint64_t seed);
 
   // Replaces every parameter by a fresh leaf of `dtype` holding the same values (dropping any
-  // grad). For tests (gradient checks in double); the swarm itself trains in float32.
+  // grad), and computes in `dtype` too. For tests (gradient checks in double); the swarm keeps
+  // fp32 parameters.
   void to_dtype(torch::ScalarType dtype);
 
  private:
   // Index into params_ of a named parameter, or -1 when absent (biases with bias=false).
   int add_param(const std::string& name, std::vector<int64_t> shape, uint64_t seed);
   const torch::Tensor& p(int index) const;
+  // torch::linear in the compute type: x [..., in] with weight [out, in] and bias [out] (-1: none).
+  torch::Tensor linear(const torch::Tensor& x, int weight, int bias) const;
   // x [B, T, C] -> [B, T, C]; future: [T, T] bool causal mask (true where masked).
   torch::Tensor block_forward(const std::vector<int>& b, const torch::Tensor& x, const torch::Tensor& future) const;
 
   ModelSpec spec_;
   int stage_, num_stages_, first_layer_, num_layers_;
   torch::Device device_;
+  torch::ScalarType compute_;
+  AttentionImpl attention_;
   std::vector<std::pair<std::string, torch::Tensor>> params_;
   // Per block: indexes into params_ in the order of kBlockParams in model.cpp (-1: absent).
   std::vector<std::vector<int>> blocks_;

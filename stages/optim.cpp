@@ -30,8 +30,9 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, Op
   }
 }
 
-double AdamW::step(int64_t samples) {
+double AdamW::step(int64_t samples, double grad_scale) {
   SWARM_CHECK(samples > 0, "an optimizer step needs at least one sample");
+  SWARM_CHECK(grad_scale > 0, "a gradient scale is positive");
   torch::NoGradGuard no_grad;
   const double lr = lr_at(opt_, t_, total_steps_);
 
@@ -41,7 +42,7 @@ double AdamW::step(int64_t samples) {
   for (size_t i = 0; i < params_.size(); ++i) {
     torch::Tensor g = params_[i].second.grad();
     if (!g.defined()) continue;
-    g.div_(static_cast<double>(samples));
+    g.div_(static_cast<double>(samples) * grad_scale);
     live.push_back(i);
     norms.push_back(g.norm());
   }

@@ -39,9 +39,11 @@ class AdamW {
         int64_t total_steps);
 
   // One update with the gradients accumulated in the parameters' .grad(), which hold sums
-  // over `samples` samples. Returns the gradient norm before clipping (of the mean gradient).
-  // Parameters without a gradient are left alone (no decay either), as torch does.
-  double step(int64_t samples);
+  // over `samples` samples, multiplied by `grad_scale` (a loss scale; a power of two, so the
+  // one division by samples x grad_scale rounds exactly as dividing by samples alone would).
+  // Returns the gradient norm before clipping (of the mean gradient). Parameters without a
+  // gradient are left alone (no decay either), as torch does.
+  double step(int64_t samples, double grad_scale = 1.0);
   // Drops the gradients (sets them undefined, as torch 2.x's zero_grad).
   void zero_grad();
   int64_t steps_taken() const { return t_; }

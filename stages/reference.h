@@ -11,8 +11,11 @@
 #include <functional>
 #include <vector>
 
+#include <string>
+
 #include "runtime/data.h"
 #include "runtime/job_spec.h"
+#include "runtime/precision.h"
 
 namespace swarm {
 
@@ -22,8 +25,20 @@ struct ReferenceResult {
   double tokens_per_s = 0;      // training tokens / wall seconds (evaluation excluded)
 };
 
-// threads: torch intra-op threads (0 leaves libtorch's default).
-// progress(step, loss) is called after every step.
+struct ReferenceOptions {
+  int threads = 0;                          // torch intra-op threads (0 leaves libtorch's default)
+  std::string device = "cpu";               // "cpu", "cuda", "cuda:N"
+  Precision precision = Precision::kAuto;   // as swarm-stage --precision (the job's pin wins)
+  int max_steps = 0;                        // train only the job's first max_steps steps (0: all); same lr schedule
+};
+
+// progress(step, loss) is called after every step. With loss scaling (model.loss_scale, or fp16)
+// one scale covers the whole model: an overflow anywhere skips the step everywhere, the rule
+// the swarm's stages follow when the router relays their overflows. Throws InputError for a
+// device or precision this build cannot use.
+ReferenceResult train_reference(const JobSpec& spec, const TokenData& data, const ReferenceOptions& opt,
+                                const std::function<void(int, double)>& progress = {});
+// The CPU in the precision `auto` picks there (fp32).
 ReferenceResult train_reference(const JobSpec& spec, const TokenData& data, int threads,
                                 const std::function<void(int, double)>& progress = {});
 

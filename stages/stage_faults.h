@@ -67,6 +67,7 @@ class StageFaults {
   struct Compute {
     double slow = 1.0;  // compute time multiplier
     bool nan = false;   // poison the output (and the loss)
+    bool overflow = false;  // the backward overflows (its seed becomes +inf)
   };
   // Around one request the compute thread handles: may crash, or freeze before returning.
   Compute before_compute(int msg_type, uint64_t seq, bool has_output);

@@ -29,6 +29,8 @@
 #include "runtime/messages.h"
 #include "runtime/timing.h"
 #include "stages/compute_threads.h"
+#include "stages/device_info.h"
+#include "stages/precision.h"
 #include "stages/stage_faults.h"
 #include "stages/worker.h"
 
@@ -84,16 +86,6 @@ std::string random_id() {
   return s;
 }
 
-// What HELLO says about the device: a name and its memory [bytes], none when unknown. On CPU,
-// "cpu" and the host's RAM. For CUDA, libtorch 1.13 and 2.x share no header-only query of the
-// device's name or memory (both need the CUDA headers), so the device string and none.
-std::pair<std::string, std::optional<int64_t>> device_info(const std::string& device) {
-  if (device.rfind("cuda", 0) == 0) return {device, std::nullopt};
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page <= 0) return {"cpu", std::nullopt};
-  return {"cpu", int64_t(pages) * int64_t(page)};
-}
-
 }  // namespace
 
 int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
@@ -102,6 +94,16 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     log_error("stage", "--device " + opt.device + " asked for, but this libtorch has no CUDA device available; use --device cpu");
     return 2;
   }
+  // What the device computes in, and what --precision makes of it when a job does not pin one.
+  const DeviceCaps caps = device_caps(torch::Device(opt.device == "cuda" ? std::string("cuda:0") : opt.device), query_device(opt.device));
+  PrecisionChoice own;
+  try {
+    own = resolve_precision(Precision::kAuto, opt.precision, caps);
+  } catch (const InputError& e) {
+    log_error("stage", e.what());
+    return 2;
+  }
+  log_info("stage", "precision " + own.reason + " (unless a job pins model.precision)");
   const std::string name = opt.name.empty() ? default_name() : opt.name;
   const std::string routing_id = random_id();
 
@@ -115,7 +117,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   std::atomic<bool> worker_stop{false};
   StageFaults faults(opt.faults, opt.fault_seed, stats.steps, stop);
   std::thread compute([&] {
-    Worker w(opt, stats, faults);
+    Worker w(opt, stats, faults, caps);
     Inbox::Work work;
     while (inbox.pop(&work, worker_stop)) {
       faults.wait_while_frozen();
@@ -143,16 +145,19 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   auto answer = [&](Message& m) {
     for (auto& f : faults.outgoing(wire::encode(m))) send_frames(f);
   };
-  const auto device = device_info(opt.device);
   auto hello = [&](zmq::socket_t& s) {
     if (faults.partitioned()) return;  // cut off: nothing goes out
+    const DeviceInfo device = query_device(opt.device);  // free memory as of now
+    auto bytes = [](int64_t b) { return b >= 0 ? std::optional<int64_t>(b) : std::nullopt; };
     msg::Hello h;
     h.role = msg::Role::kStage;
     h.version = wire::kVersion;
     h.name = name.substr(0, limits::kMaxPeerIdBytes);
     h.device = opt.device;
-    h.device_name = device.first;
-    h.device_memory_bytes = device.second;
+    h.device_name = device.name;
+    h.device_memory_bytes = bytes(device.total_bytes);
+    h.device_memory_free_bytes = bytes(device.free_bytes);
+    h.precision = precision_name(own.precision);
     h.stage = opt.stage;
     h.prefer_stage = opt.prefer_stage;
     h.emulate = opt.emulate;
@@ -301,6 +306,9 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       b.recomputes = stats.recomputes.load();
       b.steps = stats.steps.load();
       b.errors = stats.errors.load();
+      b.overflows = stats.overflows.load();
+      b.skipped_steps = stats.skipped_steps.load();
+      b.loss_scale = stats.loss_scale.load();
       Message hb = msg::make(b);
       for (auto& f : faults.heartbeat(wire::encode(hb))) send_frames(f);
     }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "runtime/fault.h"
+#include "runtime/precision.h"
 
 namespace swarm {
 
@@ -21,6 +22,7 @@ struct StageOptions {
   int stage = -1;              // stage asked for (pinned: never moved); -1 lets the router choose
   int prefer_stage = -1;       // stage to start on when `stage` is -1; the rebalancer may move it
   std::string device = "cpu";  // "cpu", "cuda" or "cuda:N" (CUDA-enabled libtorch only)
+  Precision precision = Precision::kAuto;  // compute type unless the job pins model.precision (docs/gpu.md)
   int threads = 0;             // torch intra-op threads; 0 keeps libtorch's default
   double emulate = 1.0;        // pad compute time to act as a device this many times slower
   std::string profile;         // the named profile the factor came from ("t4", ...), for labels

@@ -26,13 +26,18 @@ wire::Tensor to_wire(const torch::Tensor& in, const compression::CodecSpec& code
   return w;
 }
 
-torch::Tensor from_wire(const wire::Tensor& w, int expect_rank, int64_t expect_last_dim) {
+void check_frame_shape(const wire::Tensor& w, int expect_rank, int64_t expect_last_dim) {
   const auto& d = w.desc;
   if (expect_rank >= 0 && int(d.shape.size()) != expect_rank)
     throw WireError(WireErrc::kBadTensor, "expected a rank-" + std::to_string(expect_rank) + " tensor, got rank " +
                                               std::to_string(d.shape.size()));
   if (expect_last_dim > 0 && (d.shape.empty() || d.shape.back() != expect_last_dim))
     throw WireError(WireErrc::kBadTensor, "expected last dimension " + std::to_string(expect_last_dim));
+}
+
+torch::Tensor from_wire(const wire::Tensor& w, int expect_rank, int64_t expect_last_dim) {
+  const auto& d = w.desc;
+  check_frame_shape(w, expect_rank, expect_last_dim);
   const int64_t n = d.numel();
   switch (d.dtype) {
     case wire::DType::kF32: {

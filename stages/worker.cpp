@@ -10,9 +10,13 @@
 #include "compression/codec.h"
 #include "runtime/diloco.h"
 #include "runtime/log.h"
+#include "runtime/memory_estimate.h"
 #include "runtime/timing.h"
+#include "stages/attention.h"
+#include "stages/device_codec.h"
 #include "stages/model.h"
 #include "stages/optim.h"
+#include "stages/precision.h"
 #include "stages/tensor_codec.h"
 
 namespace swarm {
@@ -48,7 +52,8 @@ bool is_hop(MsgType t) {
 }  // namespace
 
 struct Worker::Impl {
-  Impl(const StageOptions& opt, SharedStats& stats, StageFaults& faults) : opt_(opt), stats_(stats), faults_(faults) {}
+  Impl(const StageOptions& opt, SharedStats& stats, StageFaults& faults, const DeviceCaps& caps)
+      : opt_(opt), stats_(stats), faults_(faults), caps_(caps) {}
 
   Message handle(Message& req, uint64_t seq) {
     begin_faults(req, seq);  // may crash or freeze here, before the clock starts
@@ -200,8 +205,11 @@ struct Worker::Impl {
     grad_codec_ = compression::parse_codec(spec.compression.gradients);
     outer_codec_ = compression::parse_codec(spec.compression.outer);
     torch::Device dev(opt_.device == "cuda" ? std::string("cuda:0") : opt_.device);
+    // Precision (stages/precision.h): the job's pin, else --precision, resolved on this device.
+    prec_ = StagePrecision(spec.model, opt_.precision, caps_);
+    publish_scale();
     model_ = std::make_unique<StageModel>(spec.model, stage_, spec.partition.stages, spec.first_layer(stage_),
-                                          spec.partition.layers_per_stage[size_t(stage_)], spec.seed, dev);
+                                          spec.partition.layers_per_stage[size_t(stage_)], spec.seed, dev, prec_.type());
     SWARM_CHECK(model_->num_parameters() == stage_parameter_counts(spec)[size_t(stage_)],
                 "the stage model and stage_parameter_counts disagree on the stage's size");
     optim_ = std::make_unique<AdamW>(model_->named_parameters(), spec.optimizer, spec.steps);
@@ -215,13 +223,17 @@ struct Worker::Impl {
     stats_.job_id = job_id_;
     stats_.ready = true;
     log_info("stage", "loaded stage " + std::to_string(stage_) + " of job " + std::to_string(job_id_) + ": " +
-                          std::to_string(model_->num_parameters()) + " parameters, " + std::to_string(fwd_ms) + " ms per forward");
+                          std::to_string(model_->num_parameters()) + " parameters, " + std::to_string(fwd_ms) + " ms per forward; " +
+                          prec_.reason() + ", " + attention_name(model_->attention()) + " attention; memory estimate " +
+                          estimate_stage_memory(spec, stage_, prec_.precision(), dev.is_cuda() && sdpa_available(), dev.is_cuda())
+                              .describe(dev.is_cuda()));
     msg::StageReady r;
     r.job_id = job_id_;
     r.stage = stage_;
     r.params = model_->num_parameters();
     r.fwd_ms = fwd_ms;
     r.hash = state_hash();
+    r.precision = precision_name(prec_.precision());
     return msg::make(r, req.id, req.attempt);
   }
 
@@ -252,9 +264,9 @@ struct Worker::Impl {
           throw BadTensor(index, "token id outside the vocabulary");
         return x.to(model_->device());
       }
-      torch::Tensor a = timed(codec_time_.act_dec, [&] { return from_wire(t, 3, spec_.model.d_model); });
+      torch::Tensor a = timed(codec_time_.act_dec, [&] { return decode_input(t, 3, spec_.model.d_model, model_->device()); });
       if (!torch::isfinite(a).all().item<bool>()) throw BadTensor(index, "non-finite values in the stage input");
-      return a.to(model_->device());
+      return a;
     } catch (const BadTensor&) {
       throw;
     } catch (const WireError& e) {
@@ -302,7 +314,7 @@ struct Worker::Impl {
         return result(req, h, r);
       }
       Message rep = result(req, h, msg::Result{});
-      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(emit(out), act_codec_); }));
+      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_output(emit(out), act_codec_); }));
       return rep;
     }
     if (last) throw WireError(WireErrc::kOutOfOrder, "the last stage takes FORWARD_LOSS, not FORWARD");
@@ -310,7 +322,7 @@ struct Worker::Impl {
     if (!model_->is_first()) x.requires_grad_(true);
     torch::Tensor out = model_->forward(x);
     Message rep = result(req, h, msg::Result{});
-    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(emit(out), act_codec_); }));
+    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_output(emit(out), act_codec_); }));
     remember(h.mb, req.tensors[0].desc.checksum, x, out);
     return rep;
   }
@@ -335,13 +347,14 @@ struct Worker::Impl {
     const int64_t samples = x.size(0);
     if (!model_->is_first()) x.requires_grad_(true);
     torch::Tensor loss = StageModel::loss(model_->forward(x), y);
-    (loss * double(samples)).backward();
+    prec_.backward(loss, torch::full({}, double(samples), loss.options()), fault_.overflow);  // (loss x samples x scale).backward()
     stats_.backwards++;
     msg::Result r;
     r.loss = loss.item<double>();
     r.samples = samples;
+    const torch::Tensor gx = finish_backward(x, r);
     Message rep = result(req, h, r);
-    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(emit(x.grad()), grad_codec_); }));
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_output(emit(gx), grad_codec_); }));
     accumulate(samples);
     return rep;
   }
@@ -353,7 +366,7 @@ struct Worker::Impl {
     need_tensors(req, 2);
     torch::Tensor g;
     try {
-      g = timed(codec_time_.grad_dec, [&] { return from_wire(req.tensors[1], 3, spec_.model.d_model); });
+      g = timed(codec_time_.grad_dec, [&] { return decode_input(req.tensors[1], 3, spec_.model.d_model, model_->device()); });
     } catch (const WireError& e) {
       throw BadTensor(1, e.what());
     }
@@ -377,18 +390,30 @@ struct Worker::Impl {
     } else {
       stats_.cache_hits++;
     }
-    g = g.to(out.device());
     if (g.sizes() != out.sizes()) throw BadTensor(1, "output gradient shape does not match the stage output");
-    out.backward(g);
+    prec_.backward(out, g, fault_.overflow);  // out.backward(g x scale)
     stats_.backwards++;
     const int64_t samples = x.size(0);
     msg::Result r;
     r.cached = cached;
     r.samples = samples;
+    const torch::Tensor gx = finish_backward(x, r);
     Message rep = result(req, h, r);
-    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(emit(x.grad()), grad_codec_); }));
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_output(emit(gx), grad_codec_); }));
     accumulate(samples);
     return rep;
+  }
+
+  void publish_scale() { stats_.loss_scale = prec_.scaling() ? prec_.scale() : 0.0; }  // for heartbeats
+
+  // Mixed precision after a backward: the stage-input gradient unscaled (zeros when this backward
+  // overflowed) and, with loss scaling, `overflow` in the reply (stages/precision.h).
+  torch::Tensor finish_backward(const torch::Tensor& x, msg::Result& r) {
+    bool overflow = false;
+    torch::Tensor gx = prec_.finish(model_->is_first() ? torch::Tensor() : x.grad(), model_->parameters(), &overflow);
+    if (prec_.scaling()) r.overflow = overflow;
+    if (overflow) stats_.overflows++;
+    return gx;
   }
 
   // Async: a peer steps on its own once it has accumulated inner_batch samples.
@@ -398,21 +423,38 @@ struct Worker::Impl {
     if (spec_.schedule == Schedule::kAsync && accum_samples_ >= inner) take_step();
   }
 
-  void take_step() {
-    if (accum_samples_ == 0) return;
-    const double norm = optim_->step(accum_samples_);
+  // `skip`: the router's instruction (another stage overflowed). An overflow here skips too.
+  // Returns true when the step was skipped.
+  bool take_step(bool skip = false) {
+    if (accum_samples_ == 0 && !prec_.overflow_pending()) return false;
+    const double scale = prec_.scale();
+    const bool skipped = prec_.skip_step(skip);
+    publish_scale();
+    if (skipped) {
+      optim_->zero_grad();
+      accum_samples_ = 0;
+      stats_.skipped_steps++;
+      log_info("stage", std::string("skipped an optimizer step: ") + (skip ? "the router said so" : "the gradients overflowed") +
+                            "; loss scale " + std::to_string(prec_.scale()));
+      return true;
+    }
+    const double norm = optim_->step(accum_samples_, scale);
     log_debug("stage", "inner step " + std::to_string(optim_->steps_taken()) + " on " + std::to_string(accum_samples_) +
                            " samples, gradient norm " + std::to_string(norm));
     accum_samples_ = 0;
     stats_.steps++;
+    return false;
   }
 
+  // STEP {skip?}: reply {steps, skipped, loss_scale?}.
   Message step(Message& req) {
-    check_job(msg::read<msg::Step>(req).job_id);
-    take_step();
+    const msg::Step b = msg::read<msg::Step>(req);
+    check_job(b.job_id);
     msg::Result r;
+    r.skipped = take_step(b.skip);
     r.stage = stage_;
     r.steps = optim_->steps_taken();
+    if (prec_.scaling()) r.loss_scale = prec_.scale();
     return msg::make(r, req.id, req.attempt);
   }
 
@@ -488,6 +530,16 @@ struct Worker::Impl {
     if (b.what == msg::RoundWhat::kGrad) {
       v = flat_grads();
       d.samples = accum_samples_;
+      if (prec_.scaling()) {  // unscaled; an overflowed peer contributes nothing this step
+        const float inv = float(1.0 / prec_.scale());  // a power of two: exact
+        if (prec_.skip_step(false)) {
+          std::fill(v.begin(), v.end(), 0.f);
+          d.samples = 0;
+        } else {
+          for (float& x : v) x *= inv;
+        }
+        publish_scale();
+      }
     } else {
       const std::vector<float> theta = flatten();
       v.resize(hi - lo);
@@ -621,6 +673,9 @@ struct Worker::Impl {
       tensors.push_back(flat_tensor(v, compression::CodecSpec{}));
       r.adam_step = step;
       r.steps = optim_->steps_taken();
+      const StagePrecision::ScaleState sc = prec_.state();
+      r.loss_scale = sc.loss_scale;
+      r.loss_scale_good_steps = sc.good_steps;
     }
     Message rep = msg::make(r, req.id, req.attempt);
     rep.tensors = std::move(tensors);
@@ -645,6 +700,9 @@ struct Worker::Impl {
       std::vector<float> av = flat_from_wire(req.tensors[4], 4);
       for (float x : av)
         if (x < 0) throw BadTensor(4, "negative AdamW second moments");
+      // The donor's loss scale, when it sent one (checked first: throws before any change).
+      prec_.restore({b.loss_scale, b.loss_scale_good_steps});
+      publish_scale();
       load_optimizer_flat(am, av, *b.adam_step);
       load_flat(theta);
     } else {
@@ -655,6 +713,7 @@ struct Worker::Impl {
     sent_.clear();
     accum_samples_ = 0;
     optim_->zero_grad();
+    prec_.drop_pending();  // an overflow in the dropped gradients no longer matters
     msg::RoundDone r;
     r.stage = stage_;
     r.hash = state_hash();
@@ -699,6 +758,8 @@ struct Worker::Impl {
   compression::CodecSpec act_codec_, grad_codec_, outer_codec_;
   std::unique_ptr<StageModel> model_;
   std::unique_ptr<AdamW> optim_;
+  const DeviceCaps& caps_;  // what the device computes in (probed at start)
+  StagePrecision prec_;
   std::vector<float> theta_g_, momentum_;  // the group's global weights and outer momentum (fp32, CPU)
   int64_t accum_samples_ = 0;              // samples in the gradients since the last inner step
   std::map<int, std::vector<float>> sent_;  // local weights of a fragment when its delta left
@@ -706,7 +767,8 @@ struct Worker::Impl {
   std::list<CacheEntry> cache_;
 };
 
-Worker::Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults) : impl_(std::make_unique<Impl>(opt, stats, faults)) {}
+Worker::Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults, const DeviceCaps& caps)
+    : impl_(std::make_unique<Impl>(opt, stats, faults, caps)) {}
 Worker::~Worker() = default;
 wire::Message Worker::handle(wire::Message& req, uint64_t seq) { return impl_->handle(req, seq); }
 

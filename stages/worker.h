@@ -18,6 +18,7 @@
 #include "runtime/codec_spec.h"
 #include "runtime/job_spec.h"
 #include "runtime/messages.h"
+#include "runtime/precision.h"
 #include "stages/stage_faults.h"
 #include "stages/stage_server.h"
 
@@ -35,11 +36,13 @@ struct SharedStats {
   std::atomic<bool> ready{false};
   std::atomic<double> ms_per_unit{0};
   std::atomic<uint64_t> forwards{0}, backwards{0}, cache_hits{0}, recomputes{0}, steps{0}, errors{0};
+  std::atomic<uint64_t> overflows{0}, skipped_steps{0};  // mixed precision (stages/precision.h)
+  std::atomic<double> loss_scale{0};                      // 0: no loss scaling
 };
 
 class Worker {
  public:
-  Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults);
+  Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults, const DeviceCaps& caps);
   ~Worker();
   // Handles one request (number `seq` since the process started, for fault triggers) and returns
   // the reply: an ERROR for bad input.

@@ -10,4 +10,7 @@ namespace swarm {
 // Returns the process exit code (2 for an unknown name).
 int run_bench(const std::string& name, bool json);
 
+// `swarm bench gpu` (bench_gpu.cpp): 2 without a CUDA device or a -DSWARM_CUDA=ON build.
+int run_gpu_bench(bool json);
+
 }  // namespace swarm

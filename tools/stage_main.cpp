@@ -42,6 +42,11 @@ int main(int argc, char** argv) {
   app.add_option("--prefer-stage", opt.prefer_stage,
                  "stage to start on without pinning it: the router's rebalancer may move it (ignored with --stage)");
   app.add_option("--device", opt.device, "cpu, cuda or cuda:N")->capture_default_str();
+  std::string precision = "auto";
+  app.add_option("--precision", precision,
+                 "compute type unless the job pins model.precision: auto (bf16 on compute capability >= 8.0, fp16 on "
+                 "older GPUs, fp32 on the CPU), fp32, bf16, fp16")
+      ->capture_default_str();
   app.add_option("--threads", opt.threads, "compute threads (0: libtorch's default)")->capture_default_str();
   app.add_option("--emulate", emulate,
                  "act as a slower device: a factor (e.g. 4) or a profile: a100 (1), v100 (2), t4 (4), cpu-slow (8)");
@@ -58,6 +63,12 @@ int main(int argc, char** argv) {
   CLI::Option* seed_opt = app.add_option("--fault-seed", fault_seed, "seed of the faults' random draws (default: the plan's, else 1)");
   CLI11_PARSE(app, argc, argv);
   if (!collect_faults(fault_plan, fault_specs, seed_opt, fault_seed, opt)) return 2;
+  try {
+    opt.precision = swarm::parse_precision(precision);
+  } catch (const swarm::InputError& e) {
+    std::fprintf(stderr, "--precision: %s\n", e.what());
+    return 2;
+  }
   if (!emulate.empty()) {
     // Rough relative speeds of these devices on small-transformer training, slowest last.
     static const std::map<std::string, double> profiles = {{"a100", 1.0}, {"v100", 2.0}, {"t4", 4.0}, {"cpu-slow", 8.0}};

@@ -89,6 +89,7 @@ int main(int argc, char** argv) {
 
   // swarm local
   std::string job_path, router, log_dir, resume, chaos_path, peer_id, fault_text;
+  std::string device = "cpu", precision = "auto";
   int peers_per_stage = 2, threads = 0;
   bool as_json = false, follow = false;
   auto* local = app.add_subcommand("local", "run a whole swarm on this machine: a router and stage servers on loopback");
@@ -97,6 +98,9 @@ int main(int argc, char** argv) {
   local->add_option("--threads", threads, "compute threads per stage server (0: cores / servers)");
   local->add_option("--log-dir", log_dir, "where the processes' logs go (default: a new folder under /tmp)");
   local->add_option("--chaos", chaos_path, "kill, stop and restart peers on a seeded schedule (docs/faults.md, examples/chaos/)");
+  local->add_option("--device", device, "the stage servers' device: cpu, cuda or cuda:N (all share it)")->capture_default_str();
+  local->add_option("--precision", precision, "the stage servers' --precision: auto, fp32, bf16, fp16 (the job's model.precision wins)")
+      ->capture_default_str();
   local->add_flag("--json", as_json, "one JSON object per line");
 
   auto* chaos = app.add_subcommand("chaos", "inject a fault into a live peer (docs/faults.md)");
@@ -127,12 +131,16 @@ int main(int argc, char** argv) {
 
   std::string bench_name;
   auto* bench = app.add_subcommand("bench", "measure one thing against a reference in the same run (docs/benchmarks.md)");
-  bench->add_option("name", bench_name, "codec | compression | transport | pipeline | diloco | faults | hetero")->required();
+  bench->add_option("name", bench_name, "codec | compression | transport | pipeline | diloco | faults | hetero | gpu")->required();
   bench->add_flag("--json", as_json, "JSON lines, the last one the summary");
 
   auto* ref = app.add_subcommand("reference", "train the job in one process (the oracle the swarm is checked against)");
   ref->add_option("job", job_path, "job spec (JSON)")->required();
   ref->add_option("--threads", threads, "compute threads (0: libtorch's default)");
+  ref->add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
+  ref->add_option("--precision", precision, "auto, fp32, bf16, fp16 (the job's model.precision wins)")->capture_default_str();
+  int ref_steps = 0;
+  ref->add_option("--steps", ref_steps, "train this many steps instead of the job's (the learning-rate schedule is the job's)");
   ref->add_flag("--json", as_json, "JSON lines");
 
   std::string ckpt_path, export_out;
@@ -162,10 +170,16 @@ int main(int argc, char** argv) {
         }
         swarm.set_stage_faults(*plan);
       }
+      try {
+        parse_precision(precision);
+      } catch (const InputError& e) {
+        throw SpecError(std::string("--precision: ") + e.what());
+      }
       swarm.start_router();
       for (int s = 0; s < spec.partition.stages; ++s)
         for (int i = 0; i < peers_per_stage; ++i)
-          swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads);
+          swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads,
+                            {"--device", device, "--precision", precision});
       if (!as_json)
         std::cout << "swarm: router at " << swarm.router_endpoint() << ", " << n << " stage servers ("
                   << spec.partition.stages << " stages x " << peers_per_stage << "), logs in " << log_dir << std::endl;
@@ -214,14 +228,19 @@ int main(int argc, char** argv) {
       if (as_json) {
         std::cout << rep.dump() << std::endl;
       } else {
-        std::printf("%-16s %-20s %-6s %-8s %-8s %-7s %-10s %s\n", "ID", "NAME", "STAGE", "STATE", "DEVICE", "MEMORY", "MS/UNIT", "EMULATED");
+        std::printf("%-16s %-20s %-6s %-8s %-8s %-7s %-7s %-10s %s\n", "ID", "NAME", "STAGE", "STATE", "DEVICE", "MEMORY", "FREE",
+                    "MS/UNIT", "EMULATED");
+        // GiB, "-" when the peer did not say (FREE: free when it said HELLO, before it loaded a stage).
+        auto gib = [](const json& p, const char* key) {
+          const json v = p.value(key, json(nullptr));
+          char text[32] = "-";
+          if (v.is_number()) std::snprintf(text, sizeof(text), "%.1fG", v.get<double>() / double(1 << 30));
+          return std::string(text);
+        };
         for (const auto& p : rep["peers"]) {
-          const json mem = p.value("device_memory_bytes", json(nullptr));
-          char mem_text[32] = "-";
-          if (mem.is_number()) std::snprintf(mem_text, sizeof(mem_text), "%.1fG", mem.get<double>() / double(1 << 30));
-          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-10.2f %s\n", p["id"].get<std::string>().c_str(), p["name"].get<std::string>().c_str(),
+          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-7s %-10.2f %s\n", p["id"].get<std::string>().c_str(), p["name"].get<std::string>().c_str(),
                       p["stage"].get<int>(), p["state"].get<std::string>().c_str(), p.value("device_name", p["device"].get<std::string>()).c_str(),
-                      mem_text, p["ms_per_unit"].get<double>(),
+                      gib(p, "device_memory_bytes").c_str(), gib(p, "device_memory_free_bytes").c_str(), p["ms_per_unit"].get<double>(),
                       p["emulate"].get<double>() > 1 ? (p["profile"].get<std::string>().empty() ? (std::to_string(p["emulate"].get<double>()) + "x").c_str() : p["profile"].get<std::string>().c_str()) : "-");
         }
       }
@@ -267,12 +286,28 @@ int main(int argc, char** argv) {
     }
     if (*ref) {
       JobSpec spec = load_spec(job_path);
+      if (ref_steps < 0) throw SpecError("--steps must be >= 0 (0: the job's)");
+      const int steps = ref_steps > 0 ? std::min(ref_steps, spec.steps) : spec.steps;
+      ReferenceOptions ro;
+      ro.threads = threads;
+      ro.device = device;
+      ro.max_steps = steps;
+      try {
+        ro.precision = parse_precision(precision);
+      } catch (const InputError& e) {
+        throw SpecError(std::string("--precision: ") + e.what());
+      }
       TokenData data = TokenData::load(spec.data, spec.model.seq_len, spec.model.vocab_size);
-      ReferenceResult r = train_reference(spec, data, threads, [&](int step, double loss) {
-        if (as_json) std::cout << json{{"event", "step"}, {"step", step + 1}, {"train_loss", loss}}.dump() << std::endl;
-        else std::cout << "step " << step + 1 << "/" << spec.steps << "  loss " << loss << std::endl;
-      });
-      json done{{"event", "done"}, {"steps", spec.steps}, {"losses", r.losses}, {"val_loss", r.val_loss},
+      ReferenceResult r;
+      try {
+        r = train_reference(spec, data, ro, [&](int step, double loss) {
+          if (as_json) std::cout << json{{"event", "step"}, {"step", step + 1}, {"train_loss", loss}}.dump() << std::endl;
+          else std::cout << "step " << step + 1 << "/" << steps << "  loss " << loss << std::endl;
+        });
+      } catch (const InputError& e) {
+        throw SpecError(e.what());
+      }
+      json done{{"event", "done"}, {"steps", steps}, {"losses", r.losses}, {"val_loss", r.val_loss},
                 {"unigram_loss", data.unigram_loss()}, {"tokens_per_s", r.tokens_per_s}};
       std::cout << (as_json ? done.dump() : done.dump(2)) << std::endl;
       return 0;

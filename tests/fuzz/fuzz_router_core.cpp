@@ -81,8 +81,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   f.keep_received = 16;
   std::vector<router::PeerId> peers;
   router::PeerId client = f.client();
+  const bool verbose = std::getenv("SWARM_FUZZ_VERBOSE") != nullptr;
+  size_t logged = 0;
   for (int step = 0; step < 256 && !in.empty(); ++step) {
+    if (verbose)
+      for (; logged < f.logs.size(); ++logged) std::fprintf(stderr, "  [%.3f] %s\n", f.now, f.logs[logged].text.c_str());
     const uint8_t op = in.byte();
+    if (verbose) std::fprintf(stderr, "step %d: op %d\n", step, op % 12);
     const uint8_t w = in.byte();  // always read, so a program's bytes mean the same at every step
     const router::PeerId who = peers.empty() ? router::PeerId("p-nobody") : peers[w % peers.size()];
     switch (op % 12) {

@@ -358,3 +358,28 @@ TEST(CoreBugs, AStrangerGetsNothingButHello) {
 
 }  // namespace
 }  // namespace swarm::router
+
+namespace swarm::router {
+namespace {
+
+// Found by fuzz_router_core: a job that failed while it handled an event (a hop out of
+// attempts at a deadline) left its other requests pending, held for no running job.
+TEST(Core, AFailedJobLeavesNoRequestBehindAndTheNextJobRuns) {
+  FakeSwarm f;
+  f.join("a", 0);
+  f.join("b", 1);
+  f.peers.at("p-a").wrong_shape = {2, 8, 3};  // the only peer of stage 0 always lies
+  const PeerId c = f.client();
+  json spec = FakeSwarm::tiny_spec(2, 2);
+  spec["timeouts"] = {{"max_attempts", 3}};
+  const uint64_t first = f.submit(c, spec);
+  ASSERT_TRUE(f.run(60, [&] { return f.status(first)["state"] == "failed"; })) << f.status(first).dump();
+  EXPECT_NE(f.status(first)["reason"].get<std::string>().find("failed 3 times at stage 0"), std::string::npos);
+  f.core.check_invariants();  // no request of the failed job is left
+  f.peers.at("p-a").wrong_shape.clear();
+  const uint64_t second = f.submit(c, spec);
+  EXPECT_TRUE(f.run(60, [&] { return f.status(second)["state"] == "done"; }));
+}
+
+}  // namespace
+}  // namespace swarm::router

@@ -53,6 +53,8 @@ Checkpoint make_checkpoint(int step, size_t n0 = 1000, size_t n1 = 777) {
     st.adam_m = random_floats(n, k + 4);
     st.adam_v = random_floats(n, k + 5);
     st.adam_step = step * 3 + s;
+    st.loss_scale = s == 0 ? 32768.0 : 0.0;  // stage 1: no loss scaling
+    st.loss_scale_good_steps = s == 0 ? 17 : 0;
     c.stages.push_back(std::move(st));
   }
   return c;
@@ -73,6 +75,8 @@ void expect_same(const Checkpoint& a, const Checkpoint& b) {
     const StageState &x = a.stages[i], &y = b.stages[i];
     EXPECT_EQ(x.stage, y.stage);
     EXPECT_EQ(x.adam_step, y.adam_step);
+    EXPECT_EQ(x.loss_scale, y.loss_scale);
+    EXPECT_EQ(x.loss_scale_good_steps, y.loss_scale_good_steps);
     EXPECT_TRUE(bytes_equal(x.theta_g, y.theta_g)) << "stage " << x.stage;
     EXPECT_TRUE(bytes_equal(x.momentum, y.momentum)) << "stage " << x.stage;
     EXPECT_TRUE(bytes_equal(x.theta, y.theta)) << "stage " << x.stage;
@@ -134,7 +138,9 @@ TEST_F(CheckpointTest, RoundTripIsByteEqual) {
 
   const json m = json::parse(slurp(path + "/manifest.json"));
   EXPECT_EQ(m["format"], "swarm-checkpoint");
-  EXPECT_EQ(m["version"], 1);
+  EXPECT_EQ(m["version"], 2);
+  EXPECT_EQ(m["stages"][0]["loss_scale"], 32768.0);
+  EXPECT_EQ(m["stages"][0]["loss_scale_good_steps"], 17);
   EXPECT_EQ(m["rng"]["seed"], 42);
   const json& a = m["stages"][0]["arrays"]["momentum"];
   EXPECT_EQ(a["file"], "stage-0.bin");
@@ -148,6 +154,35 @@ TEST_F(CheckpointTest, RoundTripIsByteEqual) {
   float f;
   std::memcpy(&f, bin.data() + 4004, 4);
   EXPECT_EQ(f, c.stages[0].momentum[1]);
+}
+
+// Version 1 (before loss scales) still reads: the stages come back without a scale.
+TEST_F(CheckpointTest, ReadsVersionOneWithoutLossScale) {
+  const Checkpoint c = make_checkpoint(5);
+  const std::string path = write_checkpoint(dir_, c, 3);
+  json m = json::parse(slurp(path + "/manifest.json"));
+  m["version"] = 1;
+  for (json& st : m["stages"]) {
+    st.erase("loss_scale");
+    st.erase("loss_scale_good_steps");
+  }
+  spit(path + "/manifest.json", m.dump());
+  const Checkpoint r = read_checkpoint(path);
+  ASSERT_EQ(r.stages.size(), 2u);
+  EXPECT_EQ(r.stages[0].loss_scale, 0.0);
+  EXPECT_EQ(r.stages[0].loss_scale_good_steps, 0);
+  EXPECT_TRUE(bytes_equal(r.stages[0].theta_g, c.stages[0].theta_g));
+  EXPECT_EQ(r.stages[0].adam_step, c.stages[0].adam_step);
+
+  m["stages"][0]["loss_scale"] = -1.0;
+  m["version"] = 2;
+  spit(path + "/manifest.json", m.dump());
+  try {
+    read_checkpoint(path);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_HAS(e.what(), "stage 0: loss_scale");
+  }
 }
 
 TEST_F(CheckpointTest, KeepsOnlyTheNewestK) {
@@ -239,7 +274,7 @@ TEST_F(CheckpointTest, MissingManifestBadJsonAndWrongVersion) {
     read_checkpoint(p2);
     FAIL();
   } catch (const InputError& e) {
-    EXPECT_HAS(e.what(), "format version 7, this build reads version 1");
+    EXPECT_HAS(e.what(), "format version 7, this build reads versions 1 to 2");
   }
   std::optional<LoadedCheckpoint> l = load_latest_checkpoint(dir_);
   ASSERT_TRUE(l);

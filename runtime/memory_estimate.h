@@ -1,0 +1,54 @@
+// memory_estimate.h: how many bytes a peer needs to serve one stage of a job.
+//
+// Defines swarm::StageMemory and `estimate_stage_memory`, a pure function of the job spec, the
+// stage and the compute precision, shared by the router (placement never puts a stage on a peer
+// that cannot hold it) and the stage server (it logs the estimate next to what it measured).
+// No libtorch. The model follows stages/model.cpp's arithmetic; docs/gpu.md explains each term.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "runtime/job_spec.h"
+#include "runtime/precision.h"
+
+namespace swarm {
+
+struct StageMemory {
+  int64_t params = 0;           // parameters of the stage
+  // On the device (the CPU's RAM for a CPU peer), in bytes:
+  int64_t weights = 0;          // fp32 master weights [params]
+  int64_t grads = 0;            // fp32 gradient sums [params]
+  int64_t adam = 0;             // AdamW exp_avg and exp_avg_sq, fp32 [2 x params]
+  int64_t graphs = 0;           // autograd graphs of the microbatches in flight: saved activations,
+                                // plus each forward's compute-type copy of the weights (bf16/fp16)
+  int64_t transient = 0;        // the largest temporaries of one backward (logits, AdamW's denominator)
+  int64_t runtime = 0;          // CUDA context and library workspaces (0 on the CPU)
+  // In host RAM whatever the device, in bytes:
+  int64_t host = 0;             // θ_g and the outer momentum (fp32), and one flat copy of the weights
+  int inflight = 0;             // graphs counted in `graphs`
+  Precision precision = Precision::kFp32;
+
+  // What the device must hold: the sum of the device terms plus a 10% margin for allocator
+  // fragmentation.
+  int64_t device_bytes() const;
+  // What a peer must have free: device_bytes() for a CUDA peer; device_bytes() + host for a CPU
+  // peer, whose device is the host.
+  int64_t need_bytes(bool cuda_peer) const;
+  // "1.93 GiB (weights 0.34, grads 0.34, AdamW 0.69, 8 graphs 0.41, ...)".
+  std::string describe(bool cuda_peer) const;
+};
+
+// Parameters of stage `stage` of the job (what StageModel holds).
+int64_t stage_parameters(const JobSpec& spec, int stage);
+
+// `precision` must be resolved (not kAuto); `flash_attention`: the attention keeps no [T, T]
+// matrix (scaled-dot-product attention on a GPU with libtorch 2.x); `cuda`: count the CUDA
+// runtime's own share. Graphs: the job's max_inflight microbatches (the affinity cache and the
+// router's window bound them), one on the last stage (it runs each backward at once).
+StageMemory estimate_stage_memory(const JobSpec& spec, int stage, Precision precision, bool flash_attention, bool cuda);
+
+// "1.5 GiB", "812 MiB": bytes for people.
+std::string human_bytes(int64_t bytes);
+
+}  // namespace swarm
