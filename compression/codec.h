@@ -3,8 +3,11 @@
 // Defines swarm::compression::CodecSpec (a codec and its parameters), `parse_codec` (the
 // canonical text form, e.g. "int8:block=64", used in job specs and on the wire), the
 // encode/decode pair over contiguous fp32 buffers, and ErrorFeedback (residual carry-over for
-// lossy codecs, e.g. topk on outer gradients). Byte layouts and error bounds: docs/compression.md. Plain C++ with no libtorch, so the router
-// can link it (it forwards activations untouched, but averages outer gradients).
+// lossy codecs, e.g. topk on outer gradients). Byte layouts and error bounds: docs/compression.md.
+// The subspace codec's payload (coefficients in the job's basis plus token ids) is written and
+// read by compression/subspace.h; its sizes are here like every other codec's. Plain C++ with no
+// libtorch, so the router can link it (it forwards activations untouched, but averages outer
+// gradients).
 //
 // Encoded sizes are a pure function of (spec, element count): a decoder checks the byte count
 // it was given against `encoded_bytes` before it reads anything.
@@ -25,6 +28,7 @@ enum class Codec : uint8_t {
   kInt8 = 3,  // blockwise absmax int8
   kInt4 = 4,  // blockwise absmax int4, two values per byte
   kTopk = 5,  // largest-magnitude fraction per block, with indices
+  kSubspace = 6,  // k coefficients per token in the job's shared basis, plus token ids (subspace.h)
 };
 
 struct CodecSpec {
@@ -36,12 +40,24 @@ struct CodecSpec {
   // unpacks them, encode/decode and encoded_bytes here are unchanged). Quantized codes of
   // smooth data are far from uniform: int8 deltas shrink to about 0.8 of their size.
   bool zstd = false;
+  // subspace only. k: coefficients per token (1 <= k < dim). dim: values per token of the
+  // [..., dim] tensor the payload stands for (d_model); 0 in a job spec, set by the stage that
+  // binds the codec to its model. coef: how the coefficients are coded (fp32, fp16, bf16, int8,
+  // int4; `block` and `fp16_scales` apply to int8/int4). id_bytes: bytes of each token id sent
+  // before the coefficients (0: none, as for gradients; 1, 2 or 4).
+  int k = 0;
+  int dim = 0;
+  Codec coef = Codec::kFp32;
+  int id_bytes = 0;
 
   // Canonical text, e.g. "fp32", "bf16", "int8:block=64", "int8:block=256,scale=fp16",
-  // "topk:block=1024,fraction=0.01", "int8:block=1024,entropy=zstd". parse_codec(c.name()) == c.
+  // "topk:block=1024,fraction=0.01", "int8:block=1024,entropy=zstd",
+  // "subspace:k=16,coef=int8,block=64,dim=128,ids=u8". parse_codec(c.name()) == c.
   std::string name() const;
   bool lossless() const { return codec == Codec::kFp32; }
   bool operator==(const CodecSpec& o) const;
+  // subspace: the codec the coefficients go through (coef, block, fp16_scales).
+  CodecSpec coefficients() const;
 };
 
 // Throws swarm::CodecError (an InputError) naming what is wrong and what is accepted.
@@ -50,18 +66,20 @@ CodecSpec parse_codec(const std::string& text);
 // Exact number of bytes `encode` writes for n values.
 size_t encoded_bytes(const CodecSpec& spec, int64_t n);
 
-// src: n contiguous floats; dst: encoded_bytes(spec, n) bytes.
+// src: n contiguous floats; dst: encoded_bytes(spec, n) bytes. Not for subspace (a CodecError:
+// its payload is coefficients, written by compression/subspace.h's encode_subspace).
 void encode(const CodecSpec& spec, const float* src, int64_t n, uint8_t* dst);
 
 // Validates nbytes == encoded_bytes(spec, n) and the content (e.g. topk indices in range)
-// before writing n floats to dst; throws swarm::CodecError otherwise.
+// before writing n floats to dst; throws swarm::CodecError otherwise (and for subspace, whose
+// payload decode_subspace reads: rebuilding the n values needs the model's basis).
 void decode(const CodecSpec& spec, const uint8_t* src, size_t nbytes, int64_t n, float* dst);
 
 // Longest codec text parse_codec accepts (it arrives from the network).
 constexpr size_t kMaxCodecTextBytes = 128;
 
 // Throws swarm::CodecError if `spec` is not one parse_codec could return (block out of
-// 64..4096, fraction outside (0, 1], parameters on a codec that takes none). encode,
+// 64..4096, fraction outside (0, 1], k not below dim, parameters on a codec that takes none). encode,
 // decode and encoded_bytes call it; callers building a CodecSpec by hand may call it early.
 void validate(const CodecSpec& spec);
 

@@ -18,6 +18,7 @@
 #include <set>
 
 #include "compression/codec.h"
+#include "compression/subspace.h"
 #include "router/dispatch.h"
 #include "router/placement.h"
 #include "runtime/checkpoint.h"
@@ -641,6 +642,8 @@ struct Router::Impl {
     compression::parse_codec(job->spec.compression.activations);
     compression::parse_codec(job->spec.compression.gradients);
     compression::parse_codec(job->spec.compression.outer);
+    compression::subspace_job(job->spec.compression.activations, job->spec.compression.gradients, job->spec.compression.outer,
+                              job->spec.model.d_model, job->spec.model.vocab_size);  // SUBSPACE: k, directions
     job->data = std::make_unique<TokenData>(TokenData::load(job->spec.data, job->spec.model.seq_len, job->spec.model.vocab_size));
     job->spec_json = to_json(job->spec);
     job->unigram = job->data->unigram_loss();
@@ -1069,9 +1072,11 @@ struct Router::Impl {
   // A float tensor of `shape`, decoded into `out` and all finite; else what is wrong with it.
   static std::string decode_checked(const wire::Tensor& t, const std::vector<int64_t>& shape, std::vector<float>* out) {
     if (t.desc.dtype != wire::DType::kF32 || t.desc.shape != shape) return "a tensor of the wrong dtype or shape";
-    out->resize(size_t(t.desc.numel()));
+    const bool sub = t.desc.codec.codec == compression::Codec::kSubspace;  // SUBSPACE: coefficients only
     try {
-      compression::decode(t.desc.codec, static_cast<const uint8_t*>(t.data.data()), t.data.size(), t.desc.numel(), out->data());
+      out->resize(size_t(sub ? compression::subspace_tokens(t.desc.codec, t.desc.numel()) * t.desc.codec.k : t.desc.numel()));
+      if (sub) compression::decode_subspace(t.desc.codec, static_cast<const uint8_t*>(t.data.data()), t.data.size(), t.desc.numel(), out->data(), nullptr);
+      else compression::decode(t.desc.codec, static_cast<const uint8_t*>(t.data.data()), t.data.size(), t.desc.numel(), out->data());
     } catch (const InputError& e) {
       return std::string("an undecodable tensor: ") + e.what();
     }
@@ -1081,7 +1086,9 @@ struct Router::Impl {
   }
 
   // A flat fp32 parameter tensor of n values, decoded and all finite.
-  static bool flat_from(const wire::Tensor& t, int64_t n, std::vector<float>* out) { return decode_checked(t, {n}, out).empty(); }
+  static bool flat_from(const wire::Tensor& t, int64_t n, std::vector<float>* out) {
+    return t.desc.codec.codec != compression::Codec::kSubspace && decode_checked(t, {n}, out).empty();
+  }
 
   void on_state_reply(Job& j, Peer& donor, const std::string& target, Message& m) {
     auto t = peers.find(target);

@@ -120,10 +120,10 @@ TensorDesc parse_desc(const json& d, size_t index) {
   if (t.dtype == DType::kF32) {
     try {
       t.codec = compression::parse_codec(codec);
+      expected = compression::encoded_bytes(t.codec, numel);  // a subspace codec checks the shape's tokens
     } catch (const InputError& e) {
       fail(WireErrc::kBadTensor, ctx + ": " + e.what());
     }
-    expected = compression::encoded_bytes(t.codec, numel);
   } else {
     if (codec != "raw") fail(WireErrc::kBadTensor, ctx + ": integer tensors travel with codec 'raw'");
     expected = size_t(numel) * dtype_bytes(t.dtype);

@@ -33,6 +33,7 @@
 #include "stages/model.h"
 #include "stages/optim.h"
 #include "stages/stage_faults.h"
+#include "stages/subspace.h"
 #include "stages/tensor_codec.h"
 
 namespace swarm {
@@ -255,6 +256,13 @@ class Worker {
     model_ = std::make_unique<StageModel>(spec.model, stage, spec.partition.stages, spec.first_layer(stage),
                                           spec.partition.layers_per_stage[stage], spec.seed, dev);
     optim_ = std::make_unique<AdamW>(model_->named_parameters(), spec.optimizer, spec.steps);
+    // SUBSPACE HOOK: the subspace codec's constraint holds from the first weights on, and every
+    // optimizer step keeps it.
+    subspace_ = Subspace::for_stage(spec, stage);
+    if (subspace_) {
+      subspace_->project_params(model_->named_parameters());
+      optim_->set_constraint(subspace_.get());
+    }
     theta_g_ = flatten();
     momentum_.assign(theta_g_.size(), 0.f);
     accum_samples_ = 0;
@@ -295,9 +303,10 @@ class Worker {
       if (x.size(1) > spec_.model.max_seq_len) throw WireError(WireErrc::kBadTensor, "sequence longer than the model's maximum");
       if (x.numel() && (x.min().item<int64_t>() < 0 || x.max().item<int64_t>() >= spec_.model.vocab_size))
         throw WireError(WireErrc::kBadTensor, "token id outside the vocabulary");
+      ids_ = x;  // SUBSPACE HOOK: the ids travel on with this stage's output
       return x.to(model_->device());
     }
-    torch::Tensor a = timed(codec_time_.act_dec, [&] { return from_wire(t, 3, spec_.model.d_model); });
+    torch::Tensor a = timed(codec_time_.act_dec, [&] { return decode_input(t); });
     if (!torch::isfinite(a).all().item<bool>()) throw WireError(WireErrc::kBadTensor, "non-finite values in the stage input");
     return a.to(model_->device());
   }
@@ -308,6 +317,28 @@ class Worker {
     if (y.numel() && (y.min().item<int64_t>() < 0 || y.max().item<int64_t>() >= spec_.model.vocab_size))
       throw WireError(WireErrc::kBadTensor, "target id outside the vocabulary");
     return y.to(model_->device());
+  }
+
+  // --- SUBSPACE HOOKS (stages/subspace.h): the codec that needs the job's basis and the token ids ---
+
+  // A stage input [B, T, C]; a subspace-coded one also sets ids_ (its token ids).
+  torch::Tensor decode_input(const wire::Tensor& t) {
+    if (t.desc.codec.codec != compression::Codec::kSubspace) return from_wire(t, 3, spec_.model.d_model);
+    if (!subspace_) throw WireError(WireErrc::kBadTensor, "a subspace-coded activation, but this job does not use the subspace codec");
+    return subspace_->decode_activation(t, &ids_);
+  }
+  torch::Tensor decode_grad(const wire::Tensor& t) {
+    if (t.desc.codec.codec != compression::Codec::kSubspace) return from_wire(t, 3, spec_.model.d_model);
+    if (!subspace_) throw WireError(WireErrc::kBadTensor, "a subspace-coded gradient, but this job does not use the subspace codec");
+    return subspace_->decode_gradient(t);
+  }
+  wire::Tensor encode_output(const torch::Tensor& out) {
+    if (subspace_ && subspace_->codes_activations()) return subspace_->encode_activation(out, ids_);
+    return to_wire(out, act_codec_);
+  }
+  wire::Tensor encode_grad(const torch::Tensor& g) {
+    if (subspace_ && subspace_->codes_gradients()) return subspace_->encode_gradient(g);
+    return to_wire(g, grad_codec_);
   }
 
   void need_tensors(const Message& req, size_t n) {
@@ -334,7 +365,7 @@ class Worker {
         return result(req, json{{"loss", loss}});
       }
       Message rep = result(req, json::object());
-      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(emit(out), act_codec_); }));
+      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_output(emit(out)); }));
       return rep;
     }
     if (last) throw WireError(WireErrc::kOutOfOrder, "the last stage takes FORWARD_LOSS, not FORWARD");
@@ -342,7 +373,7 @@ class Worker {
     if (!model_->is_first()) x.requires_grad_(true);
     torch::Tensor out = model_->forward(x);
     Message rep = result(req, json::object());
-    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return to_wire(emit(out), act_codec_); }));
+    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_output(emit(out)); }));
     remember(req.body.value("mb", uint64_t(0)), req.tensors[0].desc.checksum, x, out);
     return rep;
   }
@@ -368,7 +399,7 @@ class Worker {
     (loss * double(samples)).backward();
     stats_.backwards++;
     Message rep = result(req, json{{"loss", loss.item<double>()}, {"samples", samples}});
-    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(emit(x.grad()), grad_codec_); }));
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_grad(emit(x.grad())); }));
     accumulate(samples);
     return rep;
   }
@@ -377,7 +408,7 @@ class Worker {
     if (model_->is_last()) throw WireError(WireErrc::kOutOfOrder, "the last stage runs its backward inside FORWARD_LOSS");
     need_tensors(req, 2);
     const uint64_t mb = req.body.value("mb", uint64_t(0));
-    torch::Tensor g = timed(codec_time_.grad_dec, [&] { return from_wire(req.tensors[1], 3, spec_.model.d_model); });
+    torch::Tensor g = timed(codec_time_.grad_dec, [&] { return decode_grad(req.tensors[1]); });
     if (!torch::isfinite(g).all().item<bool>()) throw WireError(WireErrc::kBadTensor, "non-finite values in the output gradient");
     torch::Tensor x, out;
     bool cached = false;
@@ -404,7 +435,7 @@ class Worker {
     stats_.backwards++;
     const int64_t samples = x.size(0);
     Message rep = result(req, json{{"cached", cached}, {"samples", samples}});
-    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return to_wire(emit(x.grad()), grad_codec_); }));
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_grad(emit(x.grad())); }));
     accumulate(samples);
     return rep;
   }
@@ -533,6 +564,9 @@ class Worker {
       const std::vector<float> d = flat_from_wire(req.tensors[0], hi - lo);
       diloco::outer_step(theta_g_.data() + lo, momentum_.data() + lo, d.data(), hi - lo, float(spec_.diloco.outer_lr),
                          float(spec_.diloco.outer_momentum), spec_.diloco.nesterov);
+      // SUBSPACE HOOK: a lossy outer codec moves theta_g off the constraint; the same
+      // deterministic projection on every peer puts it back, bit for bit.
+      if (subspace_) subspace_->project_flat(model_->named_parameters(), theta_g_);
       std::vector<float> theta = flatten();
       auto sent = sent_.find(f);
       for (size_t i = lo; i < hi; ++i) {
@@ -541,6 +575,7 @@ class Worker {
       }
       if (sent != sent_.end()) sent_.erase(sent);
       load_flat(theta);
+      if (subspace_) subspace_->project_params(model_->named_parameters());  // SUBSPACE HOOK
       frag_samples_[f] = 0;
     }
     return Message(MsgType::kRoundDone, req.id, req.attempt,
@@ -670,6 +705,8 @@ class Worker {
   compression::CodecSpec act_codec_, grad_codec_, outer_codec_;
   std::unique_ptr<StageModel> model_;
   std::unique_ptr<AdamW> optim_;
+  std::unique_ptr<Subspace> subspace_;     // the subspace codec's side of this stage, or null
+  torch::Tensor ids_;                      // token ids [B, T] of the request at hand (subspace codec)
   std::vector<float> theta_g_, momentum_;  // the group's global weights and outer momentum (fp32, CPU)
   int64_t accum_samples_ = 0;              // samples in the gradients since the last inner step
   std::map<int, int64_t> frag_samples_;    // samples since each fragment last synced

@@ -21,6 +21,7 @@
 #include "runtime/fault.h"
 #include "runtime/job_spec.h"
 #include "compression/codec.h"
+#include "compression/subspace.h"
 #include "stages/export.h"
 #include "stages/reference.h"
 #include "tools/bench.h"
@@ -51,6 +52,12 @@ JobSpec load_spec(const std::string& path) {
     } catch (const InputError& e) {
       throw SpecError(std::string("job spec: ") + field + ": " + e.what());
     }
+  }
+  try {  // what the subspace codec asks of the job as a whole (one k, not on outer gradients)
+    compression::subspace_job(spec.compression.activations, spec.compression.gradients, spec.compression.outer,
+                              spec.model.d_model, spec.model.vocab_size);
+  } catch (const InputError& e) {
+    throw SpecError(std::string("job spec: ") + e.what());
   }
   return spec;
 }
