@@ -46,8 +46,9 @@ Subspace::Subspace(const JobSpec& spec, int stage, compression::SubspaceJob job)
       last_(stage == spec.partition.stages - 1) {
   u_ = compression::subspace_basis(C_, k_, spec.seed);
   U_ = torch::from_blob(u_.data(), {C_, k_}, torch::kFloat32).clone();
-  // E's parts: the initial embedding rows minus their component in span(U), computed by the same
-  // deterministic loop as every projection, so stage 0's constraint and every decoder agree.
+  // E's parts: the embeddings' initial rows minus their component in span(U), computed by the
+  // same deterministic loop as every projection, so stage 0's constraint and every decoder
+  // agree. So the first weights are the unconstrained model's, but for the output projections.
   auto fixed = [&](const std::string& name, int rows) {
     std::vector<float> init = StageModel::init_values(spec.model, name, {rows, C_}, spec.seed);
     std::vector<float> in_span = init;
