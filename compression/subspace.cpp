@@ -3,7 +3,8 @@
 //
 // Built with -O3 -ffp-contract=off (compression/CMakeLists.txt): the projection loops
 // vectorise over contiguous rows without reassociating any sum, and without fused multiply-adds
-// every machine rounds them the same way.
+// every machine rounds them the same way. Where the CPU has AVX2 the projections are cloned for
+// it (as codec.cpp's loops): wider lanes, the same sums in the same order, the same bits.
 #include "compression/subspace.h"
 
 #include <cmath>
@@ -11,6 +12,13 @@
 
 #include "runtime/errors.h"
 #include "runtime/random.h"
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__ELF__) && \
+    !defined(SWARM_NO_CLONES)
+#define SWARM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SWARM_CLONES
+#endif
 
 namespace swarm::compression {
 namespace {
@@ -137,7 +145,7 @@ std::optional<SubspaceJob> subspace_job(const std::string& activations, const st
   return job;
 }
 
-void project_columns(const float* U, int dim, int k, float* W, int64_t cols) {
+SWARM_CLONES void project_columns(const float* U, int dim, int k, float* W, int64_t cols) {
   // A = U^T W [k, cols], then W = U A, each sum in double in a fixed order.
   std::vector<double> A(size_t(k) * size_t(cols), 0.0);
   std::vector<double> row(static_cast<size_t>(cols));
@@ -161,7 +169,7 @@ void project_columns(const float* U, int dim, int k, float* W, int64_t cols) {
   }
 }
 
-void project_rows(const float* U, int dim, int k, float* W, int64_t rows, const float* offset) {
+SWARM_CLONES void project_rows(const float* U, int dim, int k, float* W, int64_t rows, const float* offset) {
   std::vector<double> z(static_cast<size_t>(k));
   for (int64_t r = 0; r < rows; ++r) {
     float* w = W + size_t(r) * dim;

@@ -48,7 +48,6 @@ class Subspace : public ParamConstraint {
   bool constrains() const { return !last_; }
   bool codes_activations() const { return bool(job_.activations); }
   bool codes_gradients() const { return bool(job_.gradients); }
-  const compression::SubspaceJob& job() const { return job_; }
   // U [C, k] float32 on the CPU.
   const torch::Tensor& basis() const { return U_; }
 
