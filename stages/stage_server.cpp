@@ -323,7 +323,10 @@ class Worker {
 
   // A stage input [B, T, C]; a subspace-coded one also sets ids_ (its token ids).
   torch::Tensor decode_input(const wire::Tensor& t) {
-    if (t.desc.codec.codec != compression::Codec::kSubspace) return from_wire(t, 3, spec_.model.d_model);
+    if (t.desc.codec.codec != compression::Codec::kSubspace) {
+      ids_ = torch::Tensor();  // no ids came with it
+      return from_wire(t, 3, spec_.model.d_model);
+    }
     if (!subspace_) throw WireError(WireErrc::kBadTensor, "a subspace-coded activation, but this job does not use the subspace codec");
     return subspace_->decode_activation(t, &ids_);
   }
@@ -333,7 +336,10 @@ class Worker {
     return subspace_->decode_gradient(t);
   }
   wire::Tensor encode_output(const torch::Tensor& out) {
-    if (subspace_ && subspace_->codes_activations()) return subspace_->encode_activation(out, ids_);
+    if (subspace_ && subspace_->codes_activations()) {
+      if (!ids_.defined()) throw WireError(WireErrc::kBadTensor, "the stage input carried no token ids, which the subspace codec needs");
+      return subspace_->encode_activation(out, ids_);
+    }
     return to_wire(out, act_codec_);
   }
   wire::Tensor encode_grad(const torch::Tensor& g) {
