@@ -418,6 +418,13 @@ void decode_topk(const CodecSpec& spec, const uint8_t* src, int64_t n, float* ds
 
 // ---- public API -----------------------------------------------------------------------------
 
+namespace {
+[[noreturn]] void not_for_subspace(const CodecSpec& spec) {
+  fail("codec " + spec.name() + ": a subspace payload holds coefficients in the model's basis; "
+       "encode_subspace/decode_subspace (compression/subspace.h) write and read it");
+}
+}  // namespace
+
 void encode(const CodecSpec& spec, const float* src, int64_t n, uint8_t* dst) {
   validate(spec);
   layout::check_count(n);
@@ -429,6 +436,7 @@ void encode(const CodecSpec& spec, const float* src, int64_t n, uint8_t* dst) {
     case Codec::kInt8: encode_int8(spec, src, n, dst); return;
     case Codec::kInt4: encode_int4(spec, src, n, dst); return;
     case Codec::kTopk: encode_topk(spec, src, n, dst); return;
+    case Codec::kSubspace: not_for_subspace(spec);
   }
 }
 
@@ -445,6 +453,7 @@ void decode(const CodecSpec& spec, const uint8_t* src, size_t nbytes, int64_t n,
     case Codec::kInt8: decode_int8(spec, src, n, dst); return;
     case Codec::kInt4: decode_int4(spec, src, n, dst); return;
     case Codec::kTopk: decode_topk(spec, src, n, dst); return;
+    case Codec::kSubspace: not_for_subspace(spec);
   }
 }
 

@@ -2,7 +2,8 @@
 //
 // Defines the encode/decode pair and ErrorFeedback (residual carry-over for lossy codecs, e.g.
 // topk on outer gradients), built on the codec grammar of runtime/codec_spec.h (CodecSpec,
-// parse_codec, encoded_bytes), which the wire layer owns. Plain C++ with no libtorch. Byte
+// parse_codec, encoded_bytes), which the wire layer owns. The subspace codec's payload
+// (coefficients in the job's basis plus token ids) is written and read by compression/subspace.h. Plain C++ with no libtorch. Byte
 // layouts and error bounds: docs/compression.md.
 #pragma once
 
@@ -16,11 +17,13 @@
 
 namespace swarm::compression {
 
-// src: n contiguous floats; dst: encoded_bytes(spec, n) bytes.
+// src: n contiguous floats; dst: encoded_bytes(spec, n) bytes. Not for subspace (a CodecError:
+// its payload is coefficients, written by compression/subspace.h's encode_subspace).
 void encode(const CodecSpec& spec, const float* src, int64_t n, uint8_t* dst);
 
 // Validates nbytes == encoded_bytes(spec, n) and the content (e.g. topk indices in range)
-// before writing n floats to dst; throws swarm::CodecError otherwise.
+// before writing n floats to dst; throws swarm::CodecError otherwise (and for subspace, whose
+// payload decode_subspace reads: rebuilding the n values needs the model's basis).
 void decode(const CodecSpec& spec, const uint8_t* src, size_t nbytes, int64_t n, float* dst);
 
 // Error feedback: what a lossy codec did not send is added to the next round's input, per key

@@ -27,6 +27,12 @@ FlightConfig flight_config(uint64_t id, const JobSpec& s) {
   f.d_model = s.model.d_model;
   f.act_codec = compression::parse_codec(s.compression.activations);
   f.grad_codec = compression::parse_codec(s.compression.gradients);
+  // The subspace codec travels bound to the model (dim, the ids' width), as the stages send it.
+  if (const auto sub = compression::subspace_job(s.compression.activations, s.compression.gradients, s.compression.outer,
+                                                 s.model.d_model, s.model.vocab_size)) {
+    if (sub->activations) f.act_codec = *sub->activations;
+    if (sub->gradients) f.grad_codec = *sub->gradients;
+  }
   f.forward_cap_s = s.timeouts.forward_s;
   f.backward_cap_s = s.timeouts.backward_s;
   f.max_attempts = s.timeouts.max_attempts;

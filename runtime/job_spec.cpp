@@ -556,6 +556,11 @@ void fill_and_validate(JobSpec& s, bool check_files) {
       fail(field, e.what());
     }
   }
+  try {  // what the subspace codec asks of the job as a whole: one k, not on outer gradients, k < d_model
+    compression::subspace_job(s.compression.activations, s.compression.gradients, s.compression.outer, m.d_model, m.vocab_size);
+  } catch (const CodecError& e) {
+    throw SpecError(std::string("job spec: ") + e.what());
+  }
 
   // eval
   if (s.eval.every_steps < 0) {

@@ -35,6 +35,7 @@ double AdamW::step(int64_t samples, double grad_scale) {
   SWARM_CHECK(grad_scale > 0, "a gradient scale is positive");
   torch::NoGradGuard no_grad;
   const double lr = lr_at(opt_, t_, total_steps_);
+  if (constraint_) constraint_->project_grads(params_);
 
   // Mean gradient, and its L2 norm over the whole stage.
   std::vector<size_t> live;
@@ -62,6 +63,7 @@ double AdamW::step(int64_t samples, double grad_scale) {
       if (decay_[i] && opt_.weight_decay != 0) p.mul_(1.0 - lr * opt_.weight_decay);
       p.add_(params_[i].second.grad(), -lr);
     }
+    if (constraint_) constraint_->project_params(params_);
     zero_grad();
     return norm;
   }
@@ -78,6 +80,7 @@ double AdamW::step(int64_t samples, double grad_scale) {
     torch::Tensor denom = (v_[i].sqrt() / bc2_sqrt).add_(opt_.eps);
     p.addcdiv_(m_[i], denom, -step_size);
   }
+  if (constraint_) constraint_->project_params(params_);
   zero_grad();
   return norm;
 }

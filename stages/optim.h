@@ -1,6 +1,7 @@
 // optim.h: the inner optimizer of a stage: AdamW with linear warmup then cosine decay.
 //
-// Defines swarm::AdamW over a stage's parameters and `lr_at`. Written out by hand (not
+// Defines swarm::AdamW over a stage's parameters, `lr_at`, and ParamConstraint (a linear
+// constraint a step keeps, e.g. stages/subspace.h's). Written out by hand (not
 // torch::optim) so its state is plain named tensors for checkpoints and the same on every
 // libtorch version. Gradients arrive as sums over samples; `step(samples)` divides by the
 // sample count, clips the stage's gradient to grad_clip (L2 norm over this stage's parameters:
@@ -33,6 +34,18 @@ namespace swarm {
 // warmup_steps) down to min_lr (at step total_steps - 1, and after).
 double lr_at(const OptimizerSpec& opt, int64_t step, int64_t total_steps);
 
+// A constraint on a stage's parameters that every AdamW step keeps: the gradients are projected
+// onto its tangent space before the step (so clipping and the moments see the constrained
+// model's gradient) and the parameters back onto the constraint set after the update.
+class ParamConstraint {
+ public:
+  virtual ~ParamConstraint() = default;
+  // Both take the stage's named parameters; they skip what they do not constrain (and, for the
+  // gradients, parameters without one).
+  virtual void project_grads(const std::vector<std::pair<std::string, torch::Tensor>>& params) const = 0;
+  virtual void project_params(const std::vector<std::pair<std::string, torch::Tensor>>& params) const = 0;
+};
+
 class AdamW {
  public:
   AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, OptimizerSpec opt,
@@ -46,6 +59,8 @@ class AdamW {
   double step(int64_t samples, double grad_scale = 1.0);
   // Drops the gradients (sets them undefined, as torch 2.x's zero_grad).
   void zero_grad();
+  // Keeps `c` (not owned; it outlives this optimizer) from the next step on; null for none.
+  void set_constraint(const ParamConstraint* c) { constraint_ = c; }
   int64_t steps_taken() const { return t_; }
   // The learning rate the next step() will use.
   double next_lr() const { return lr_at(opt_, t_, total_steps_); }
@@ -63,6 +78,7 @@ class AdamW {
   OptimizerSpec opt_;
   int64_t total_steps_;
   int64_t t_ = 0;
+  const ParamConstraint* constraint_ = nullptr;
 };
 
 }  // namespace swarm

@@ -11,6 +11,7 @@
 #include "stages/model.h"
 #include "stages/optim.h"
 #include "stages/precision.h"
+#include "stages/subspace.h"
 
 namespace swarm {
 namespace {
@@ -51,10 +52,16 @@ ReferenceResult train_reference(const JobSpec& spec, const TokenData& data, cons
 
   std::vector<std::unique_ptr<StageModel>> stages;
   std::vector<std::unique_ptr<AdamW>> optims;
+  std::vector<std::unique_ptr<Subspace>> subspaces;  // the subspace codec's constraint, per stage
   int first = 0;  // the prefix sum JobSpec::first_layer computes
   for (int s = 0; s < S; ++s) {
     stages.push_back(std::make_unique<StageModel>(spec.model, s, S, first, layers[s], spec.seed, device, prec.type()));
     optims.push_back(std::make_unique<AdamW>(stages.back()->named_parameters(), spec.optimizer, spec.steps));
+    subspaces.push_back(Subspace::for_stage(spec, s));
+    if (subspaces.back()) {
+      subspaces.back()->project_params(stages.back()->named_parameters());
+      optims.back()->set_constraint(subspaces.back().get());
+    }
     first += layers[s];
   }
   SWARM_CHECK(first == spec.model.n_layer, "partition.layers_per_stage must sum to n_layer");

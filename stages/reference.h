@@ -5,7 +5,8 @@
 // the job's seed, indices step * M .. step * M + M - 1), with the same accumulation (each
 // microbatch's backward is of loss * samples), the same per-stage clipping and AdamW. It is
 // what the `sync` schedule with one peer per stage must equal, and the `single` side of
-// `swarm bench pipeline`.
+// `swarm bench pipeline`. A job with the subspace codec trains the constrained model
+// (stages/subspace.h) without any codec: what its swarm must equal with fp32 coefficients.
 #pragma once
 
 #include <functional>

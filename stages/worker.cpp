@@ -14,6 +14,7 @@
 #include "runtime/timing.h"
 #include "stages/attention.h"
 #include "stages/device_codec.h"
+#include "stages/subspace.h"
 #include "stages/model.h"
 #include "stages/optim.h"
 #include "stages/precision.h"
@@ -213,6 +214,13 @@ struct Worker::Impl {
     SWARM_CHECK(model_->num_parameters() == stage_parameter_counts(spec)[size_t(stage_)],
                 "the stage model and stage_parameter_counts disagree on the stage's size");
     optim_ = std::make_unique<AdamW>(model_->named_parameters(), spec.optimizer, spec.steps);
+    // The subspace codec's constraint holds from the first weights on, and every optimizer step
+    // keeps it (stages/subspace.h).
+    subspace_ = Subspace::for_stage(spec, stage_);
+    if (subspace_) {
+      subspace_->project_params(model_->named_parameters());
+      optim_->set_constraint(subspace_.get());
+    }
     theta_g_ = flatten();
     momentum_.assign(theta_g_.size(), 0.f);
     accum_samples_ = 0;
@@ -262,9 +270,10 @@ struct Worker::Impl {
         if (x.size(1) > spec_.model.max_seq_len) throw BadTensor(index, "sequence longer than the model's maximum");
         if (x.numel() && (x.min().item<int64_t>() < 0 || x.max().item<int64_t>() >= spec_.model.vocab_size))
           throw BadTensor(index, "token id outside the vocabulary");
+        ids_ = x;  // the subspace codec sends them on with this stage's output
         return x.to(model_->device());
       }
-      torch::Tensor a = timed(codec_time_.act_dec, [&] { return decode_input(t, 3, spec_.model.d_model, model_->device()); });
+      torch::Tensor a = timed(codec_time_.act_dec, [&] { return decode_act(t); });
       if (!torch::isfinite(a).all().item<bool>()) throw BadTensor(index, "non-finite values in the stage input");
       return a;
     } catch (const BadTensor&) {
@@ -272,6 +281,34 @@ struct Worker::Impl {
     } catch (const WireError& e) {
       throw BadTensor(index, e.what());
     }
+  }
+
+  // The codecs of the hops. The subspace codec needs the job's basis and the token ids, so it
+  // runs here (stages/subspace.h); every other codec runs where the tensor lives
+  // (stages/device_codec.h). A subspace-coded input also sets ids_, its token ids.
+  torch::Tensor decode_act(const wire::Tensor& t) {
+    if (t.desc.codec.codec != compression::Codec::kSubspace) {
+      ids_ = torch::Tensor();  // no ids came with it
+      return decode_input(t, 3, spec_.model.d_model, model_->device());
+    }
+    if (!subspace_) throw WireError(WireErrc::kBadTensor, "a subspace-coded activation, but this job does not use the subspace codec");
+    return subspace_->decode_activation(t, &ids_).to(model_->device());
+  }
+  torch::Tensor decode_grad(const wire::Tensor& t) {
+    if (t.desc.codec.codec != compression::Codec::kSubspace) return decode_input(t, 3, spec_.model.d_model, model_->device());
+    if (!subspace_) throw WireError(WireErrc::kBadTensor, "a subspace-coded gradient, but this job does not use the subspace codec");
+    return subspace_->decode_gradient(t).to(model_->device());
+  }
+  wire::Tensor encode_act(const torch::Tensor& out) {
+    if (subspace_ && subspace_->codes_activations()) {
+      if (!ids_.defined()) throw WireError(WireErrc::kBadTensor, "the stage input carried no token ids, which the subspace codec needs");
+      return subspace_->encode_activation(out, ids_);
+    }
+    return encode_output(out, act_codec_);
+  }
+  wire::Tensor encode_grad(const torch::Tensor& g) {
+    if (subspace_ && subspace_->codes_gradients()) return subspace_->encode_gradient(g);
+    return encode_output(g, grad_codec_);
   }
 
   torch::Tensor targets_tensor(const wire::Tensor& t, const torch::Tensor& input) {
@@ -314,7 +351,7 @@ struct Worker::Impl {
         return result(req, h, r);
       }
       Message rep = result(req, h, msg::Result{});
-      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_output(emit(out), act_codec_); }));
+      rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_act(emit(out)); }));
       return rep;
     }
     if (last) throw WireError(WireErrc::kOutOfOrder, "the last stage takes FORWARD_LOSS, not FORWARD");
@@ -322,7 +359,7 @@ struct Worker::Impl {
     if (!model_->is_first()) x.requires_grad_(true);
     torch::Tensor out = model_->forward(x);
     Message rep = result(req, h, msg::Result{});
-    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_output(emit(out), act_codec_); }));
+    rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_act(emit(out)); }));
     remember(h.mb, req.tensors[0].desc.checksum, x, out);
     return rep;
   }
@@ -354,7 +391,7 @@ struct Worker::Impl {
     r.samples = samples;
     const torch::Tensor gx = finish_backward(x, r);
     Message rep = result(req, h, r);
-    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_output(emit(gx), grad_codec_); }));
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_grad(emit(gx)); }));
     accumulate(samples);
     return rep;
   }
@@ -366,7 +403,7 @@ struct Worker::Impl {
     need_tensors(req, 2);
     torch::Tensor g;
     try {
-      g = timed(codec_time_.grad_dec, [&] { return decode_input(req.tensors[1], 3, spec_.model.d_model, model_->device()); });
+      g = timed(codec_time_.grad_dec, [&] { return decode_grad(req.tensors[1]); });
     } catch (const WireError& e) {
       throw BadTensor(1, e.what());
     }
@@ -399,7 +436,7 @@ struct Worker::Impl {
     r.samples = samples;
     const torch::Tensor gx = finish_backward(x, r);
     Message rep = result(req, h, r);
-    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_output(emit(gx), grad_codec_); }));
+    if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_grad(emit(gx)); }));
     accumulate(samples);
     return rep;
   }
@@ -605,6 +642,9 @@ struct Worker::Impl {
       const std::vector<float> d = flat_from_wire(req.tensors[0], 0, hi - lo);
       diloco::outer_step(theta_g_.data() + lo, momentum_.data() + lo, d.data(), hi - lo, float(spec_.diloco.outer_lr),
                          float(spec_.diloco.outer_momentum), spec_.diloco.nesterov);
+      // A lossy outer codec moves theta_g off the subspace codec's constraint; the same
+      // deterministic projection on every peer puts it back, bit for bit.
+      if (subspace_) subspace_->project_flat(model_->named_parameters(), theta_g_);
       std::vector<float> theta = flatten();
       auto sent = sent_.find(b.fragment);
       for (size_t i = lo; i < hi; ++i) {
@@ -613,6 +653,7 @@ struct Worker::Impl {
       }
       if (sent != sent_.end()) sent_.erase(sent);
       load_flat(theta);
+      if (subspace_) subspace_->project_params(model_->named_parameters());
     }
     msg::RoundDone r;
     r.round = b.round;
@@ -758,6 +799,8 @@ struct Worker::Impl {
   compression::CodecSpec act_codec_, grad_codec_, outer_codec_;
   std::unique_ptr<StageModel> model_;
   std::unique_ptr<AdamW> optim_;
+  std::unique_ptr<Subspace> subspace_;  // the subspace codec's side of this stage, or null
+  torch::Tensor ids_;                   // token ids [B, T] of the request at hand (subspace codec)
   const DeviceCaps& caps_;  // what the device computes in (probed at start)
   StagePrecision prec_;
   std::vector<float> theta_g_, momentum_;  // the group's global weights and outer momentum (fp32, CPU)

@@ -19,7 +19,9 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "compression/bench_codec.h"
 #include "runtime/chaos_plan.h"
@@ -193,37 +195,73 @@ int bench_pipeline(bool as_json) {
   return 0;
 }
 
+// The subspace codec of the bundled example's headline case, and the coefficient codec of the
+// wider model's k sweep (docs/compression.md#subspace).
+constexpr const char* kSubspaceExample = "subspace:k=16,coef=int4";
+constexpr const char* kSubspaceWideCoef = "int4";
+
+// The bundled example's model made wider: d_model 512 over 4 stages of one block, 8 heads, and
+// fewer, smaller steps so that four runs fit in a few minutes on 2 cores.
+json wide_job() {
+  json j = example_job();
+  j["model"]["d_model"] = 512;
+  j["model"]["n_head"] = 8;
+  j["steps"] = 50;
+  j["batch"] = {{"batch_size", 8}, {"microbatch_size", 8}};
+  j["optimizer"] = {{"lr", 0.001}, {"min_lr", 0.0001}, {"warmup_steps", 10}};
+  j["eval"] = {{"every_steps", 0}, {"batches", 8}};
+  return j;
+}
+
 // The bundled example, one peer per stage, once per activation/gradient codec pair: the
-// codecs' cost in validation loss against their saving in wire bytes.
+// codecs' cost in validation loss against their saving in wire bytes. Then the subspace codec
+// (Protocol Models), on the example and on the wider model for k in {8, 16, 32}.
 int bench_compression(bool as_json) {
-  const json base = example_job();
-  const char* codecs[] = {"fp32", "bf16", "int8", "int4"};
+  struct Case { std::string name; json job; std::string codec; };
+  std::vector<Case> cases;
+  for (const char* codec : {"fp32", "bf16", "int8", "int4"}) cases.push_back({codec, example_job(), codec});
+  cases.push_back({"subspace", example_job(), kSubspaceExample});
+  cases.push_back({"wide_fp32", wide_job(), "fp32"});
+  for (int k : {8, 16, 32})
+    cases.push_back({"wide_subspace_k" + std::to_string(k), wide_job(),
+                     "subspace:k=" + std::to_string(k) + ",coef=" + kSubspaceWideCoef});
   json raw = json::object();
-  for (const char* codec : codecs) {
-    json j = base;
-    j["compression"]["activations"] = codec;
-    j["compression"]["gradients"] = codec;
+  for (const Case& cs : cases) {
+    json j = cs.job;
+    j["compression"]["activations"] = cs.codec;
+    j["compression"]["gradients"] = cs.codec;
     JobSpec spec = parse_job_spec(j, true);
     json st = run_swarm(spec, 1, "compression");
     const json& per = st["wire_bytes_per_sample"];
     const double bytes = per.value("activations", 0.0) + per.value("gradients", 0.0);
-    raw[codec] = {{"codec", spec.compression.activations}, {"val_loss", st["val_loss"]}, {"train_loss", st["train_loss"]},
-                  {"wire_bytes_per_sample", bytes}, {"codec_ms", st["codec_ms"]}, {"tokens_per_s", train_tokens_per_s(st)}};
-    char text[256];
-    std::snprintf(text, sizeof(text), "%-5s val loss %.4f, %.0f wire bytes per sample (activations + gradients)", codec,
-                  st["val_loss"].get<double>(), bytes);
-    json line{{"bench", "compression"}, {"case", codec}};
-    line.update(raw[codec]);
+    raw[cs.name] = {{"codec", spec.compression.activations}, {"d_model", spec.model.d_model}, {"steps", spec.steps},
+                    {"val_loss", st["val_loss"]}, {"train_loss", st["train_loss"]}, {"wire_bytes_per_sample", bytes},
+                    {"codec_ms", st["codec_ms"]}, {"tokens_per_s", train_tokens_per_s(st)}, {"elapsed_s", st["elapsed_s"]}};
+    char text[320];
+    std::snprintf(text, sizeof(text), "%-22s %-26s val loss %.4f, %.0f wire bytes per sample (activations + gradients)",
+                  cs.name.c_str(), cs.codec.c_str(), st["val_loss"].get<double>(), bytes);
+    json line{{"bench", "compression"}, {"case", cs.name}};
+    line.update(raw[cs.name]);
     emit(as_json, line, text);
   }
-  auto rel = [&](const char* c) { return raw[c]["val_loss"].get<double>() / raw["fp32"]["val_loss"].get<double>() - 1.0; };
-  auto ratio = [&](const char* c) { return raw["fp32"]["wire_bytes_per_sample"].get<double>() / raw[c]["wire_bytes_per_sample"].get<double>(); };
-  json summary{{"bench", "compression"},
-               {"figures", {{"int8_loss_rel", {{"value", rel("int8")}, {"target", "<= 0.01"}}},
-                            {"int8_bytes_ratio", {{"value", ratio("int8")}, {"target", ">= 3.7"}}},
-                            {"int4_loss_rel", {{"value", rel("int4")}, {"target", "report"}}},
-                            {"int4_bytes_ratio", {{"value", ratio("int4")}, {"target", "report"}}}}},
-               {"raw", raw}};
+  auto rel = [&](const std::string& c, const char* base) {
+    return raw[c]["val_loss"].get<double>() / raw[base]["val_loss"].get<double>() - 1.0;
+  };
+  auto ratio = [&](const std::string& c, const char* base) {
+    return raw[base]["wire_bytes_per_sample"].get<double>() / raw[c]["wire_bytes_per_sample"].get<double>();
+  };
+  json figures{{"int8_loss_rel", {{"value", rel("int8", "fp32")}, {"target", "<= 0.01"}}},
+               {"int8_bytes_ratio", {{"value", ratio("int8", "fp32")}, {"target", ">= 3.7"}}},
+               {"int4_loss_rel", {{"value", rel("int4", "fp32")}, {"target", "report"}}},
+               {"int4_bytes_ratio", {{"value", ratio("int4", "fp32")}, {"target", "report"}}},
+               {"subspace_loss_rel", {{"value", rel("subspace", "fp32")}, {"target", "<= 0.03"}}},
+               {"subspace_bytes_ratio", {{"value", ratio("subspace", "fp32")}, {"target", ">= 32"}}}};
+  for (int k : {8, 16, 32}) {
+    const std::string c = "wide_subspace_k" + std::to_string(k);
+    figures[c + "_loss_rel"] = {{"value", rel(c, "wide_fp32")}, {"target", "report"}};
+    figures[c + "_bytes_ratio"] = {{"value", ratio(c, "wide_fp32")}, {"target", "report"}};
+  }
+  json summary{{"bench", "compression"}, {"figures", figures}, {"raw", raw}};
   std::cout << (as_json ? summary.dump() : summary.dump(2)) << std::endl;
   return 0;
 }

@@ -39,21 +39,9 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
-// Parses and validates a job spec file, codecs included: every mistake is reported here,
-// before anything starts.
-JobSpec load_spec(const std::string& path) {
-  JobSpec spec = parse_job_spec_text(read_file(path), /*check_files=*/true);
-  for (const auto& [field, codec] : {std::pair<const char*, std::string>{"compression.activations", spec.compression.activations},
-                                     {"compression.gradients", spec.compression.gradients},
-                                     {"compression.outer", spec.compression.outer}}) {
-    try {
-      compression::parse_codec(codec);
-    } catch (const InputError& e) {
-      throw SpecError(std::string("job spec: ") + field + ": " + e.what());
-    }
-  }
-  return spec;
-}
+// Parses and validates a job spec file, codecs included (parse_job_spec checks them): every
+// mistake is reported here, before anything starts.
+JobSpec load_spec(const std::string& path) { return parse_job_spec_text(read_file(path), /*check_files=*/true); }
 
 uint64_t submit(Client& c, const JobSpec& spec, const std::string& resume = "") {
   json body{{"spec", to_json(spec)}};

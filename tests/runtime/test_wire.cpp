@@ -202,6 +202,12 @@ TEST(Wire, RejectsBadTensorDescriptions) {
   EXPECT_EQ(try_desc({{"dtype", "f32"}, {"shape", {1, 1, 1, 1, 1, 1, 1, 1, 1}}, {"codec", "fp32"}, {"nbytes", 4}, {"xxh64", 0}}, 4), WireErrc::kTooLarge);
   EXPECT_EQ(try_desc({{"dtype", "f32"}, {"shape", {2}}, {"codec", "fp32"}, {"nbytes", 8}}, 8), WireErrc::kMalformed);
   EXPECT_EQ(try_desc(json::array({1, 2}), 8), WireErrc::kMalformed);
+  // A subspace codec whose shape is not whole tokens of its dim, or that names no dim: refused
+  // as a bad tensor before any payload is read.
+  EXPECT_EQ(try_desc({{"dtype", "f32"}, {"shape", {2, 5}}, {"codec", "subspace:k=2,dim=4,ids=u8"}, {"nbytes", 18}, {"xxh64", 0}}, 18),
+            WireErrc::kBadTensor);
+  EXPECT_EQ(try_desc({{"dtype", "f32"}, {"shape", {2, 4}}, {"codec", "subspace:k=2"}, {"nbytes", 16}, {"xxh64", 0}}, 16),
+            WireErrc::kBadTensor);
 }
 
 TEST(Wire, RejectsDeepNesting) {
