@@ -461,7 +461,16 @@ void decode(const CodecSpec& spec, const uint8_t* src, size_t nbytes, int64_t n,
 
 void ErrorFeedback::encode(const std::string& key, const CodecSpec& spec, const float* src,
                            int64_t n, uint8_t* dst) {
+  encode_parts(key, spec, src, n, {0, n}, {dst});
+}
+
+void ErrorFeedback::encode_parts(const std::string& key, const CodecSpec& spec, const float* src, int64_t n,
+                                 const std::vector<int64_t>& bounds, const std::vector<uint8_t*>& dst) {
   layout::check_count(n);
+  if (bounds.size() != dst.size() + 1 || bounds.front() != 0 || bounds.back() != n)
+    fail("error feedback: parts must cover the tensor, with one destination each");
+  for (size_t i = 0; i + 1 < bounds.size(); ++i)
+    if (bounds[i] > bounds[i + 1]) fail("error feedback: part bounds must not decrease");
   std::vector<float>& res = residual_[key];
   if (res.empty() && n > 0) res.assign(size_t(n), 0.0f);
   if (int64_t(res.size()) != n)
@@ -471,8 +480,11 @@ void ErrorFeedback::encode(const std::string& key, const CodecSpec& spec, const 
   sum_.resize(size_t(n));
   decoded_.resize(size_t(n));
   for (int64_t i = 0; i < n; ++i) sum_[i] = src[i] + res[i];
-  swarm::compression::encode(spec, sum_.data(), n, dst);
-  decode(spec, dst, encoded_bytes(spec, n), n, decoded_.data());
+  for (size_t k = 0; k < dst.size(); ++k) {
+    const int64_t lo = bounds[k], len = bounds[k + 1] - bounds[k];
+    swarm::compression::encode(spec, sum_.data() + lo, len, dst[k]);
+    decode(spec, dst[k], encoded_bytes(spec, len), len, decoded_.data() + lo);
+  }
   for (int64_t i = 0; i < n; ++i) {
     const float r = sum_[i] - decoded_[i];
     res[i] = (f2u(r) & 0x7fffffffu) < 0x7f800000u ? r : 0.0f;

@@ -38,6 +38,11 @@ class ErrorFeedback {
   // different element count (call reset(key) when a tensor's shape changes).
   void encode(const std::string& key, const CodecSpec& spec, const float* src, int64_t n,
               uint8_t* dst);
+  // The same with src[0, n) cut into parts [bounds[i], bounds[i+1]) (bounds from 0 to n), each
+  // encoded on its own into dst[i] (encoded_bytes(spec, its length) bytes): one residual for the
+  // whole whatever the cut, so a different cut next time keeps what was not sent.
+  void encode_parts(const std::string& key, const CodecSpec& spec, const float* src, int64_t n,
+                    const std::vector<int64_t>& bounds, const std::vector<uint8_t*>& dst);
   // The residual carried for `key` (n floats), or nullptr if none yet.
   const std::vector<float>* residual(const std::string& key) const;
   void reset();                        // forget every residual

@@ -39,6 +39,48 @@ std::optional<Pending> Ctx::take(uint64_t id) {
   return pd;
 }
 
+void Ctx::attach(wire::Message& m, Slot& s, uint32_t index) const {
+  SWARM_CHECK(s.known(), "a request's tensor is missing");
+  if (s.bytes) {
+    m.tensors.push_back(wire::share(*s.bytes));
+    return;
+  }
+  const Peer* holder = peers.find(s.held->holder);
+  wire::TensorRef r;
+  r.slot = index;
+  r.from = holder ? holder->hello.listen : std::string();
+  r.key = s.held->key;
+  r.part = s.held->part;
+  r.desc = s.held->desc;
+  m.refs.push_back(std::move(r));
+}
+
+void Ctx::drop(Slot& s) {
+  if (s.held && peers.find(s.held->holder)) release(s.held->holder, s.held->key);
+  s.bytes.reset();
+  s.held.reset();
+}
+
+Slot Ctx::take_reply_tensor(const PeerId& from, uint64_t pd_id, wire::Message& m, size_t index) {
+  Slot out;
+  if (m.refs.empty()) {
+    SWARM_CHECK(index < m.tensors.size(), "reply tensor out of range");
+    wire::Tensor t = std::move(m.tensors[index]);
+    wire::compress(t);  // once, before it is shared with every send (entropy=zstd)
+    out.bytes = std::move(t);
+    return out;
+  }
+  for (const wire::TensorRef& r : m.refs) {
+    if (r.slot != index) continue;
+    if (!r.from.empty() || r.key != pd_id || r.part != index)
+      throw WireError(WireErrc::kMalformed, "a reply's reference must name the replier's own tensor " + std::to_string(index) +
+                                                " of request " + std::to_string(pd_id));
+    out.held = Held{from, pd_id, uint32_t(index), r.desc};
+    return out;
+  }
+  throw WireError(WireErrc::kMalformed, "a reply mixes held and sent tensors");
+}
+
 double Ctx::deadline_for(const Peer& p, double cap_s) const {
   if (p.ms_per_unit <= 0) return std::min(cap_s, 10.0);
   return timing::deadline_s((p.queued_units + 3.0) * p.ms_per_unit / 1000.0, cap_s);
@@ -55,6 +97,7 @@ MsgType reply_type(ReqKind k) {
     case ReqKind::kRoundReduce: return MsgType::kRoundReduced;
     case ReqKind::kRoundApply: case ReqKind::kStateLoad: return MsgType::kRoundDone;
     case ReqKind::kStateRequest: case ReqKind::kSnapshot: return MsgType::kStateReply;
+    case ReqKind::kFetch: return MsgType::kFetched;
   }
   return MsgType::kResult;
 }
@@ -110,7 +153,9 @@ void RouterCore::Impl::on_hello(Ctx& c, const PeerId& from, const wire::Message&
 void RouterCore::Impl::on_reply(Ctx& c, Peer& p, wire::Message& m) {
   const Pending* found = requests.find(m.id);
   if (!found) {
-    // Late (re-sent elsewhere, or the job moved on) or a duplicate: counted, nothing changes.
+    // Late (re-sent elsewhere, or the job moved on) or a duplicate: counted, nothing changes
+    // (what the peer holds for it is released).
+    if (!m.refs.empty()) c.release(p.id, m.id);
     if (m.type == MsgType::kResult && m.id > 0 && m.id < requests.next_id()) {
       if (Job* j = active_job()) j->duplicate();
     } else if (m.type == MsgType::kError) {
@@ -161,6 +206,11 @@ void RouterCore::Impl::on_error_reply(Ctx& c, Peer& p, const Pending& pd, Job& j
   }
   // A tensor of the request that the peer found bad: its maker may be to blame, not the peer.
   if (e.code == int(WireErrc::kBadTensor) && e.tensor) return j.on_failed(c, pd, true, *e.tensor, e.message);
+  // The relay's FETCH of something the holder no longer has: nobody is at fault.
+  if (pd.kind == ReqKind::kFetch) return j.on_failed(c, pd, false, -1, e.message);
+  // A tensor the peer could not fetch from its holder: the holder, or the link, is the problem.
+  if ((e.code == int(WireErrc::kUnreachable) || e.code == int(WireErrc::kNotHeld)) && e.tensor)
+    return j.on_fetch_failed(c, pd, *e.tensor, e.code == int(WireErrc::kNotHeld), e.message);
   peers.ban(p, c.now);
   j.on_failed(c, pd, true, -1, e.message);
 }
@@ -241,7 +291,7 @@ Actions RouterCore::on_message(const PeerId& from, wire::Message m, double now) 
           else I.clients.erase(from);
           break;
         case MsgType::kResult: case MsgType::kStageReady: case MsgType::kRoundDelta: case MsgType::kRoundReduced:
-        case MsgType::kRoundDone: case MsgType::kStateReply: case MsgType::kError:
+        case MsgType::kRoundDone: case MsgType::kStateReply: case MsgType::kFetched: case MsgType::kError:
           if (!p) I.bad(c, from, &m, WireErrc::kOutOfOrder, "only stage servers send results");
           else I.on_reply(c, *p, m);
           break;
@@ -329,6 +379,16 @@ Actions RouterCore::tick(double now) {
     for (const auto& [id, p] : I.peers.all()) c.send(id, wire::Message(MsgType::kHeartbeat));
     for (auto it = I.clients.begin(); it != I.clients.end();) it = now - it->second > I.opt.client_idle_s ? I.clients.erase(it) : std::next(it);
   }
+  // What holders may drop, batched per holder once a tick.
+  for (auto& [holder, keys] : I.released) {
+    if (!I.peers.find(holder)) continue;
+    for (size_t at = 0; at < keys.size(); at += msg::Release::kMaxKeys) {
+      msg::Release r;
+      r.keys.assign(keys.begin() + long(at), keys.begin() + long(std::min(keys.size(), at + msg::Release::kMaxKeys)));
+      c.send(holder, msg::make(r));
+    }
+  }
+  I.released.clear();
   // Requests past their deadline are re-sent elsewhere (no ban: the peer may just be slow).
   for (uint64_t rid : I.requests.expired(now)) {
     const Pending* pd = I.requests.find(rid);

@@ -31,9 +31,10 @@ struct RouterCore::Impl {
   uint64_t running = 0;                    // the job that was active after the last event
   uint64_t bad_messages = 0;
   double last_beat_s = -1e300;
+  std::map<PeerId, std::vector<int64_t>> released;   // RELEASE keys per holder, sent by tick
 
   explicit Impl(CoreOptions o) : opt(std::move(o)), peers(opt.heartbeat_ms, opt.liveness) {}
-  Ctx ctx(double now, Actions& out) { return Ctx{now, opt, peers, requests, out}; }
+  Ctx ctx(double now, Actions& out) { return Ctx{now, opt, peers, requests, out, released}; }
 
   Job* find_job(uint64_t id) {
     for (auto& j : jobs)

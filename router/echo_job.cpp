@@ -95,7 +95,7 @@ void EchoJob::advance(Ctx& c) {
     Flight f;
     f.index = uint64_t(taken_);
     Flight& in = flights_.add(uint64_t(taken_), std::move(f));
-    in.inputs[0] = wire::share(payload_);
+    in.inputs[0].bytes = wire::share(payload_);
     taken_++;
   }
   flights_.dispatch(c);
@@ -103,7 +103,7 @@ void EchoJob::advance(Ctx& c) {
 
 void EchoJob::finish(Ctx& c, JobState st, const std::string& reason) {
   Job::finish(c, st, reason);
-  flights_.clear();
+  flights_.clear(c);
 }
 
 nlohmann::json EchoJob::status(const Registry& peers, double now) const {

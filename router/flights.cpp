@@ -43,9 +43,62 @@ Flight& Flights::add(uint64_t key, Flight f) {
   return it->second;
 }
 
+void Flights::clear(Ctx& c) {
+  for (auto& [key, f] : flights_) release_all(c, f);
+  flights_.clear();
+}
+
 void Flights::dispatch(Ctx& c) {
-  for (auto& [key, f] : flights_)
-    if (f.req_id == 0 && c.now >= f.not_before_s) send_hop(c, key, f);
+  for (auto& [key, f] : flights_) {
+    if (f.req_id != 0 || f.upload_req != 0 || c.now < f.not_before_s) continue;
+    // A tensor lost with its holder is made again first (at most once per stage).
+    for (int k = 0; k <= 2 * cfg_.stages && !repair(f); ++k) {}
+    send_hop(c, key, f);
+  }
+}
+
+Slot* Flights::slot_of(Flight& f, int slot) {
+  const size_t s = size_t(f.stage);
+  if (slot == 0) return &f.inputs[s];
+  if (slot == 1 && f.kind == HopKind::kBackward) return &f.grads[s];
+  return nullptr;  // the targets: the router's own
+}
+
+void Flights::release_all(Ctx& c, Flight& f) {
+  for (Slot& s : f.inputs) c.drop(s);
+  for (Slot& s : f.grads) c.drop(s);
+}
+
+bool Flights::repair(Flight& f) {
+  const size_t s = size_t(f.stage);
+  if (!f.inputs[s].known()) {
+    SWARM_CHECK(s > 0, "a microbatch lost its tokens");
+    // The stage input is made again by the previous stage's forward; a backward resumes after it.
+    if (f.kind == HopKind::kBackward) f.resume_stage = f.stage;
+    f.stage--;
+    f.kind = f.eval ? HopKind::kEval : HopKind::kForward;
+  } else if (f.kind == HopKind::kBackward && !f.grads[s].known()) {
+    // The output gradient is made again by the next stage's backward (or loss).
+    f.stage++;
+    f.kind = f.stage == cfg_.stages - 1 ? HopKind::kForwardLoss : HopKind::kBackward;
+  } else {
+    return true;
+  }
+  remade++;
+  f.attempts = 0;
+  f.tried.clear();
+  f.suspect_tensor = -1;
+  f.suspect_reporter.clear();
+  return false;
+}
+
+void Flights::on_peer_gone(const PeerId& peer) {
+  for (auto& [key, f] : flights_) {
+    for (Slot& s : f.inputs)
+      if (s.held && s.held->holder == peer) s.held.reset();
+    for (Slot& s : f.grads)
+      if (s.held && s.held->holder == peer) s.held.reset();
+  }
 }
 
 // Static routing (GPipe/DeepSpeed style, for comparison): pipeline i chains the i-th ready peer
@@ -97,17 +150,21 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   body.mb = f.index;
   body.stage = f.stage;
   wire::Message m = msg::make(msg_type(f.kind), body, 0, f.attempts);
-  SWARM_CHECK(f.inputs[s].has_value(), "stage input missing");
-  m.tensors.push_back(wire::share(*f.inputs[s]));
+  c.attach(m, f.inputs[s], 0);
   if (!cfg_.echo && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last))) m.tensors.push_back(wire::share(f.targets));
-  if (f.kind == HopKind::kBackward) {
-    SWARM_CHECK(f.grads[s].has_value(), "output gradient missing");
-    m.tensors.push_back(wire::share(*f.grads[s]));
-  }
+  if (f.kind == HopKind::kBackward) c.attach(m, f.grads[s], 1);
   if (!f.eval && !cfg_.echo) {
-    if (f.stage > 0) bytes_act += m.tensors[0].desc.wire_bytes();
-    if (f.kind == HopKind::kBackward) bytes_grad += m.tensors.back().desc.wire_bytes();
+    // Bytes through the router count here; bytes fetched peer to peer when the receiver reports them.
+    if (f.stage > 0 && f.inputs[s].bytes) {
+      bytes_act += f.inputs[s].desc().wire_bytes();
+      bytes_relayed += f.inputs[s].desc().wire_bytes();
+    }
+    if (f.kind == HopKind::kBackward && f.grads[s].bytes) {
+      bytes_grad += f.grads[s].desc().wire_bytes();
+      bytes_relayed += f.grads[s].desc().wire_bytes();
+    }
   }
+  m.hold = cfg_.p2p && p.can_hold();
   // Deadline: a generous multiple of what this peer should need, within the job's bounds.
   const double per = p.ms_per_unit > 0 ? p.ms_per_unit : 1000.0;
   const bool long_hop = f.kind == HopKind::kBackward || f.kind == HopKind::kForwardLoss;
@@ -119,6 +176,7 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   pd.peer = p.id;
   pd.units = my_units;
   pd.deadline_s = c.now + timing::deadline_s((p.queued_units + my_units) * per / 1000.0, long_hop ? cfg_.backward_cap_s : cfg_.forward_cap_s);
+  pd.hold = m.hold;
   f.req_id = c.request(pd, std::move(m));
   f.attempts++;
 }
@@ -126,7 +184,10 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
 HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
   HopOutcome out;
   auto it = flights_.find(pd.key);
-  if (it == flights_.end() || it->second.req_id != pd.id) return out;  // late: the hop moved on
+  if (it == flights_.end() || it->second.req_id != pd.id) {
+    if (!m.refs.empty()) c.release(p.id, pd.id);  // late: the hop moved on, and nobody needs what it holds
+    return out;
+  }
   Flight& f = it->second;
   const msg::Result r = msg::read<msg::Result>(m);
   const size_t s = size_t(f.stage);
@@ -146,20 +207,27 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
     case HopKind::kForwardLoss: want_tensors = cfg_.stages == 1 ? 0 : 1; want_loss = true; codec = &cfg_.grad_codec; break;
     case HopKind::kBackward: want_tensors = f.stage == 0 ? 0 : 1; codec = &cfg_.grad_codec; break;
   }
+  // A peer asked to hold its output answers with a reference to it (its own, to this request).
+  const size_t answered = m.tensors.size() + m.refs.size();
   std::string bad;
-  if (cfg_.echo) {
-    if (m.tensors.size() != 1) bad = "answered " + std::to_string(m.tensors.size()) + " tensor(s), expected its input back";
-  } else if (m.tensors.size() != want_tensors) {
-    bad = "answered " + std::to_string(m.tensors.size()) + " tensor(s), expected " + std::to_string(want_tensors);
+  if (!m.refs.empty() && !pd.hold) {
+    bad = "answered with a tensor it holds, but was asked to send it";
+  } else if (!m.refs.empty() && (m.refs.size() != 1 || !m.refs[0].from.empty() || m.refs[0].key != pd.id || m.refs[0].part != 0)) {
+    bad = "answered with a reference that is not its own output of this request";
+  } else if (cfg_.echo) {
+    if (answered != 1) bad = "answered " + std::to_string(answered) + " tensor(s), expected its input back";
+  } else if (answered != want_tensors) {
+    bad = "answered " + std::to_string(answered) + " tensor(s), expected " + std::to_string(want_tensors);
   } else if (want_loss && !r.loss) {
     bad = "answered without a loss";
   } else if (want_tensors == 1) {
-    const wire::TensorDesc& d = m.tensors[0].desc;
+    const wire::TensorDesc& d = m.tensors.empty() ? m.refs[0].desc : m.tensors[0].desc;
     if (d.dtype != wire::DType::kF32 || d.shape != std::vector<int64_t>{cfg_.B, cfg_.T, cfg_.d_model} || !(d.codec == *codec))
       bad = "answered a tensor that is not f32 [" + std::to_string(cfg_.B) + ", " + std::to_string(cfg_.T) + ", " +
             std::to_string(cfg_.d_model) + "] in codec " + codec->name();
   }
   if (!bad.empty()) {
+    if (!m.refs.empty()) c.release(p.id, pd.id);
     const HopFailure fl = on_failed(c, pd, /*error=*/true, -1, bad);
     out.what = HopOutcome::kRejected;
     out.blame = p.id;
@@ -180,44 +248,54 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   f.not_before_s = 0;
   if (r.codec_us && r.codec_us->size() == 4) out.codec_us = *r.codec_us;
   out.overflow = r.overflow.value_or(false);
-  auto take = [&]() {
-    wire::Tensor t = std::move(m.tensors[0]);
-    wire::compress(t);  // once, before it is shared with every send (entropy=zstd)
-    return t;
+  if (r.fetched && !f.eval && !cfg_.echo) {
+    // What the receiver fetched peer to peer, at most the tensor's size (its word is only a figure).
+    const std::vector<int64_t>& got = *r.fetched;
+    if (got.size() > 0 && f.stage > 0 && f.inputs[s].held) bytes_act += std::min<uint64_t>(uint64_t(got[0]), f.inputs[s].desc().wire_bytes());
+    if (got.size() > 1 && f.kind == HopKind::kBackward && f.grads[s].held)
+      bytes_grad += std::min<uint64_t>(uint64_t(got[1]), f.grads[s].desc().wire_bytes());
+  }
+  // The hop's output: its bytes (kept here), or a reference to the peer that holds it.
+  auto take = [&]() { return Ctx::take_reply_tensor(p.id, pd.id, m, 0); };
+  auto put = [&](Slot& dst, Slot v) {
+    c.drop(dst);
+    dst = std::move(v);
   };
   out.what = HopOutcome::kAdvanced;
-  if (cfg_.echo) {
-    out.what = HopOutcome::kCompleted;
+  auto complete = [&](HopOutcome::What what) {
+    out.what = what;
+    release_all(c, f);
     flights_.erase(it);
     return out;
-  }
+  };
+  if (cfg_.echo) return complete(HopOutcome::kCompleted);
   switch (f.kind) {
     case HopKind::kEval:
       if (last) {
-        out.what = HopOutcome::kEvalDone;
         out.loss = *r.loss;
-        flights_.erase(it);
-        return out;
+        return complete(HopOutcome::kEvalDone);
       }
-      f.inputs[s + 1] = take();
+      put(f.inputs[s + 1], take());
       f.stage++;
       return out;
     case HopKind::kForward:
       f.fwd_peer[s] = p.id;
-      f.inputs[s + 1] = take();
+      put(f.inputs[s + 1], take());
       f.stage++;
-      f.kind = f.stage == cfg_.stages - 1 ? HopKind::kForwardLoss : HopKind::kForward;
+      if (f.resume_stage == f.stage) {
+        // The stage input a backward lost is made again: the backward carries on.
+        f.kind = HopKind::kBackward;
+        f.resume_stage = -1;
+      } else {
+        f.kind = f.stage == cfg_.stages - 1 ? HopKind::kForwardLoss : HopKind::kForward;
+      }
       return out;
     case HopKind::kForwardLoss:
       if (!f.loss_recorded) out.loss = *r.loss;
       f.loss_recorded = true;
       out.trained_stage = f.stage;
-      if (cfg_.stages == 1) {
-        out.what = HopOutcome::kCompleted;
-        flights_.erase(it);
-        return out;
-      }
-      f.grads[s - 1] = take();
+      if (cfg_.stages == 1) return complete(HopOutcome::kCompleted);
+      put(f.grads[s - 1], take());
       f.grad_peer[s - 1] = p.id;
       f.stage--;
       f.kind = HopKind::kBackward;
@@ -226,12 +304,8 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       if (r.cached.value_or(false)) cached++;
       else recomputed++;
       out.trained_stage = f.stage;
-      if (f.stage == 0) {
-        out.what = HopOutcome::kCompleted;
-        flights_.erase(it);
-        return out;
-      }
-      f.grads[s - 1] = take();
+      if (f.stage == 0) return complete(HopOutcome::kCompleted);
+      put(f.grads[s - 1], take());
       f.grad_peer[s - 1] = p.id;
       f.stage--;
       return out;
@@ -264,7 +338,7 @@ HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_ten
         out.why = "made a " + std::string(bad_tensor == 0 ? "stage input" : "gradient") + " that two peers of stage " +
                   std::to_string(f.stage) + " rejected (" + why + ")";
       }
-      go_back(f, bad_tensor);
+      go_back(c, f, bad_tensor);
       f.tried = {producer};
       return out;
     }
@@ -280,14 +354,90 @@ HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_ten
   return out;
 }
 
-void Flights::go_back(Flight& f, int bad) {
+HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) {
+  auto it = flights_.find(pd.key);
+  if (it == flights_.end() || it->second.req_id != pd.id) return {};
+  Flight& f = it->second;
+  Slot* sl = slot_of(f, slot);
+  // Only a tensor that was held elsewhere can fail to arrive; any other claim is the peer's error.
+  if (!sl || !sl->held) return on_failed(c, pd, true, -1, why);
+  f.req_id = 0;
+  resent++;
+  fetch_failures++;
+  HopFailure out;
+  Peer* holder = c.peers.find(sl->held->holder);
+  if (!holder || not_held) {
+    // Gone with its holder: made again one stage back when the hop is next dispatched.
+    c.drop(*sl);
+  } else {
+    // The holder lives but the receiver could not reach it: the router relays the tensor, and
+    // a holder two receivers could not reach is relayed from now on.
+    holder->unreachable_from.insert(pd.peer);
+    if (!holder->relayed && holder->unreachable_from.size() >= 2) {
+      holder->relayed = true;
+      c.warn("peer " + holder->hello.name + " is relayed from now on: " + std::to_string(holder->unreachable_from.size()) +
+             " peers could not fetch from " + holder->hello.listen + " (last: " + why + ")");
+    }
+    msg::Fetch body;
+    body.key = sl->held->key;
+    body.part = int32_t(sl->held->part);
+    Pending up;
+    up.kind = ReqKind::kFetch;
+    up.job = cfg_.job;
+    up.key = pd.key;
+    up.stage = slot;
+    up.peer = holder->id;
+    up.deadline_s = c.now + c.deadline_for(*holder, cfg_.forward_cap_s);
+    f.upload_req = c.request(up, msg::make(wire::MsgType::kFetch, body));
+    uploads++;
+  }
+  f.not_before_s = c.now;
+  if (int(f.attempts) >= cfg_.max_attempts && !f.eval) {
+    out.exhausted = true;
+    out.why = "microbatch " + std::to_string(f.index) + " failed " + std::to_string(f.attempts) + " times at stage " +
+              std::to_string(f.stage) + " (last: " + why + ")";
+  }
+  return out;
+}
+
+HopOutcome Flights::on_uploaded(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
+  HopOutcome out;
+  auto it = flights_.find(pd.key);
+  if (it == flights_.end() || it->second.upload_req != pd.id) return out;
+  Flight& f = it->second;
+  f.upload_req = 0;
+  Slot* sl = slot_of(f, pd.stage);
+  if (!sl || !sl->held || sl->held->holder != p.id) return out;  // the hop moved on
+  if (m.tensors.size() != 1 || !wire::same_tensor(m.tensors[0].desc, sl->held->desc)) {
+    // Not the tensor it said it made: made again, and held against the holder.
+    out.blame = p.id;
+    out.why = "relayed a tensor that is not the one it reported making";
+    c.drop(*sl);
+    return out;
+  }
+  wire::Tensor t = std::move(m.tensors[0]);
+  wire::compress(t);
+  c.drop(*sl);  // the holder's copy is no longer needed
+  sl->bytes = std::move(t);
+  return out;
+}
+
+void Flights::on_upload_failed(Ctx& c, const Pending& pd) {
+  auto it = flights_.find(pd.key);
+  if (it == flights_.end() || it->second.upload_req != pd.id) return;
+  Flight& f = it->second;
+  f.upload_req = 0;
+  if (Slot* sl = slot_of(f, pd.stage); sl && sl->held) c.drop(*sl);  // made again one stage back
+}
+
+void Flights::go_back(Ctx& c, Flight& f, int bad) {
   const size_t s = size_t(f.stage);
   if (bad == 0) {
-    f.inputs[s].reset();
+    c.drop(f.inputs[s]);
     f.stage--;
     f.kind = f.eval ? HopKind::kEval : HopKind::kForward;
   } else {
-    f.grads[s].reset();
+    c.drop(f.grads[s]);
     f.stage++;
     f.kind = f.stage == cfg_.stages - 1 ? HopKind::kForwardLoss : HopKind::kBackward;
   }
@@ -300,7 +450,12 @@ void Flights::go_back(Flight& f, int bad) {
 void Flights::check(const Requests& r) const {
   for (const auto& [key, f] : flights_) {
     SWARM_CHECK(f.stage >= 0 && f.stage < cfg_.stages, "flight at a stage outside the job");
-    SWARM_CHECK(f.inputs[size_t(f.stage)].has_value(), "flight without its stage input");
+    SWARM_CHECK(f.inputs[0].bytes.has_value(), "flight without its tokens");
+    SWARM_CHECK(f.req_id == 0 || f.upload_req == 0, "a flight both sent and relaying a tensor");
+    if (f.upload_req != 0) {
+      const Pending* pd = r.find(f.upload_req);
+      SWARM_CHECK(pd && pd->kind == ReqKind::kFetch && pd->key == key && pd->job == cfg_.job, "a flight's relay has no pending FETCH");
+    }
     if (f.req_id == 0) continue;
     const Pending* pd = r.find(f.req_id);
     SWARM_CHECK(pd != nullptr, "microbatch " + std::to_string(key) + " is marked sent but has no pending request");

@@ -1,11 +1,20 @@
 // flights.h: microbatches in flight: the hop state machine, where each hop goes, its deadline.
 //
-// Defines swarm::router::Flight, FlightConfig and Flights. A training microbatch is FORWARD
-// through stages 0..S-2, FORWARD_LOSS on stage S-1, then BACKWARD through S-2..0; an
+// Defines swarm::router::Flight, Slot, Held, FlightConfig and Flights. A training microbatch is
+// FORWARD through stages 0..S-2, FORWARD_LOSS on stage S-1, then BACKWARD through S-2..0; an
 // evaluation microbatch is EVAL through 0..S-1; a transport-benchmark microbatch is one FORWARD
-// to an echo peer. The router keeps every stage input and every gradient it was sent until the
+// to an echo peer. Every stage input and every gradient of a microbatch is kept until the
 // microbatch completes, so any live peer of a stage can take a hop, and a hop whose input a
 // receiver rejects goes back one stage to the peer that made that input's stage again.
+//
+// Where a tensor is kept: by the router (tokens, targets, and everything under routing.hops
+// "hub" or from a relayed peer), or, peer to peer, by the peer that made it (a Held reference:
+// the hop that needs it names its holder, and the receiver fetches it; RELEASE tells the holder
+// when it is no longer needed). A tensor whose holder is gone is made again one stage back (a
+// stage input by the previous stage's forward, then the hop resumes where it was; an output
+// gradient by the next stage's backward). A holder a receiver cannot reach relays the tensor
+// through the router (FETCH from the router) and, once two receivers could not reach it, is
+// relayed for good: its outputs come inline.
 //
 // Routing: among the ready, unbanned peers of the stage, dispatch.h's least expected
 // completion time (or the fixed pipeline, under routing.mode "static"). Deadline:
@@ -38,8 +47,8 @@ struct Flight {
   bool eval = false;
   int stage = 0;                      // the stage of the current hop
   HopKind kind = HopKind::kForward;
-  std::vector<std::optional<wire::Tensor>> inputs;  // [S] inputs[s]: stage s's input (tokens at 0), once known
-  std::vector<std::optional<wire::Tensor>> grads;   // [S] grads[s]: the gradient of stage s's output, once known
+  std::vector<Slot> inputs;           // [S] inputs[s]: stage s's input (tokens at 0), once known
+  std::vector<Slot> grads;            // [S] grads[s]: the gradient of stage s's output, once known
   wire::Tensor targets;               // [B, T] the last stage's targets (training and eval)
   std::vector<PeerId> fwd_peer;       // [S] who ran stage s's forward (made inputs[s + 1]; affinity)
   std::vector<PeerId> grad_peer;      // [S] who made grads[s] (stage s + 1's backward or loss)
@@ -51,6 +60,9 @@ struct Flight {
   double not_before_s = 0;
   int suspect_tensor = -1;            // a receiver reported this request tensor bad...
   PeerId suspect_reporter;            // ...this one; a second opinion decides
+  // A backward whose stage input was lost runs the forward before it again, then resumes here.
+  int resume_stage = -1;
+  uint64_t upload_req = 0;            // a FETCH relaying a held tensor of the current hop through the router
 };
 
 struct FlightConfig {
@@ -62,6 +74,7 @@ struct FlightConfig {
   int max_attempts = 8;
   RoutingMode mode = RoutingMode::kSwarm;
   bool echo = false;                              // transport benchmark: a FORWARD's result completes
+  bool p2p = false;                               // routing.hops "p2p": peers that listen hold what they make
 };
 
 // What a hop's result did.
@@ -94,16 +107,28 @@ class Flights {
   Flight& add(uint64_t key, Flight f);
   size_t size() const { return flights_.size(); }
   bool empty() const { return flights_.empty(); }
-  void clear() { flights_.clear(); }
+  // Drops every flight; what peers hold for them is released.
+  void clear(Ctx& c);
   const std::map<uint64_t, Flight>& all() const { return flights_; }
 
   // Sends every waiting flight whose backoff is over to a peer of its stage (none: it waits).
   void dispatch(Ctx& c);
   HopOutcome on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m);
   HopFailure on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why);
+  // The receiver could not fetch request tensor `slot` from its holder (`not_held`: the holder
+  // answered that it no longer has it).
+  HopFailure on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why);
+  // The router's own FETCH of a held tensor (the relay) answered, or failed.
+  HopOutcome on_uploaded(Ctx& c, Peer& p, const Pending& pd, wire::Message& m);
+  void on_upload_failed(Ctx& c, const Pending& pd);
+  // A peer is gone: what it held is lost (made again when needed).
+  void on_peer_gone(const PeerId& peer);
 
-  // Traffic and affinity counters, for the status.
-  uint64_t bytes_act = 0, bytes_grad = 0, resent = 0, rejected = 0, cached = 0, recomputed = 0;
+  // Traffic and affinity counters, for the status. bytes_act/bytes_grad: tensor bytes of the
+  // training hops that crossed a link (through the router, or fetched peer to peer as the
+  // receivers report); bytes_relayed: the part that went through the router.
+  uint64_t bytes_act = 0, bytes_grad = 0, bytes_relayed = 0, resent = 0, rejected = 0, cached = 0, recomputed = 0;
+  uint64_t fetch_failures = 0, uploads = 0, remade = 0;
 
   // SWARM_CHECKs: every flight waiting on a request has it pending, to the peer it names.
   void check(const Requests& r) const;
@@ -112,7 +137,11 @@ class Flights {
   void send_hop(Ctx& c, uint64_t key, Flight& f);
   std::vector<Peer*> candidates(Ctx& c, const Flight& f);
   // Goes back one stage: the tensor `bad` of the current hop is remade by its producer's stage.
-  void go_back(Flight& f, int bad);
+  void go_back(Ctx& c, Flight& f, int bad);
+  // Whether the current hop has every tensor it needs; if not, it goes back to remake one.
+  bool repair(Flight& f);
+  Slot* slot_of(Flight& f, int slot);
+  void release_all(Ctx& c, Flight& f);
   FlightConfig cfg_;
   std::map<uint64_t, Flight> flights_;
 };

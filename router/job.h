@@ -7,8 +7,10 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -18,6 +20,24 @@
 
 namespace swarm::router {
 
+// A tensor a peer made and keeps (peer to peer): the reply to request `key` carried it as its
+// part `part`.
+struct Held {
+  PeerId holder;
+  uint64_t key = 0;
+  uint32_t part = 0;
+  wire::TensorDesc desc;
+};
+
+// A tensor a job needs: its bytes (kept by the router), or where they are held; neither: not
+// made yet (or lost with its holder).
+struct Slot {
+  std::optional<wire::Tensor> bytes;
+  std::optional<Held> held;
+  bool known() const { return bytes.has_value() || held.has_value(); }
+  const wire::TensorDesc& desc() const { return bytes ? bytes->desc : held->desc; }
+};
+
 // Everything a job may touch while it handles one event.
 struct Ctx {
   double now = 0;
@@ -25,10 +45,22 @@ struct Ctx {
   Registry& peers;
   Requests& requests;
   Actions& out;
+  std::map<PeerId, std::vector<int64_t>>& released;   // keys to RELEASE at each holder, sent at the next tick
 
   void send(const PeerId& to, wire::Message m) { out.push_back(Send{to, std::move(m)}); }
   void log(LogLevel level, std::string text) { out.push_back(Log{level, std::move(text)}); }
   void info(std::string text) { log(LogLevel::kInfo, std::move(text)); }
+  // The tensors a peer holds for request `key` are no longer needed.
+  void release(const PeerId& holder, uint64_t key) { released[holder].push_back(int64_t(key)); }
+  // Request tensor `index` of `m`: a share of its bytes, or a reference the receiver fetches
+  // from its holder's listen address.
+  void attach(wire::Message& m, Slot& s, uint32_t index) const;
+  // Forgets a slot, releasing what a live holder keeps for it.
+  void drop(Slot& s);
+  // Tensor `index` of a reply: its bytes (compressed once, to be shared), or, when the reply
+  // holds it, a reference to the replier's copy. Throws InputError for a reference that is not
+  // the replier's own part `index` of request `pd_id`.
+  static Slot take_reply_tensor(const PeerId& from, uint64_t pd_id, wire::Message& m, size_t index);
   void warn(std::string text) { log(LogLevel::kWarn, std::move(text)); }
   // Registers `p` as pending (sent now, with its deadline) and sends `m` with its id; adds the
   // request's units to the peer's queue. Returns the id.
@@ -70,6 +102,11 @@ class Job {
   // malformed reply. `bad_tensor`: the request tensor the peer reported as bad (its producer is
   // to blame), -1 for none.
   virtual void on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) = 0;
+  // The peer could not fetch request tensor `slot` from the peer holding it (ERROR unreachable,
+  // or not_held when the holder no longer has it).
+  virtual void on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) {
+    on_failed(c, pd, false, -1, why);
+  }
   // Moves the job forward (called after every event).
   virtual void advance(Ctx& c) = 0;
   virtual void on_checkpoint_written(Ctx& c, const CheckpointWritten& r) {}

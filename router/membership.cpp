@@ -94,7 +94,10 @@ void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
     pd.peer = donor->id;
     pd.target = p.id;
     pd.deadline_s = c.now + c.deadline_for(*donor, spec_.timeouts.backward_s);
-    c.request(pd, msg::make(body));
+    // Peer to peer the donor keeps its state and the joiner fetches it.
+    wire::Message m = msg::make(body);
+    m.hold = pd.hold = spec_.routing.hops == Hops::kP2p && donor->can_hold();
+    c.request(pd, std::move(m));
     return;
   }
   if (!donor && snap.valid) return restore_from_snapshot(c, p);
@@ -142,23 +145,34 @@ void TrainingJob::restore_from_snapshot(Ctx& c, Peer& p) {
 void TrainingJob::on_state_reply(Ctx& c, Peer& donor, const Pending& pd, wire::Message& m) {
   const msg::StateReply r = msg::read<msg::StateReply>(m);
   Peer* t = c.peers.find(pd.target);
-  if (!t || t->state != PeerState::kSyncing) return;
-  if (m.tensors.size() != 2 && m.tensors.size() != 5) return start_sync(c, *t);
+  const size_t n = m.tensors.size() + m.refs.size();
+  if (!t || t->state != PeerState::kSyncing || (n != 2 && n != 5) || (!m.refs.empty() && !pd.hold)) {
+    if (!m.refs.empty()) c.release(donor.id, pd.id);
+    if (t && t->state == PeerState::kSyncing) start_sync(c, *t);
+    return;
+  }
   msg::StateLoad body;
   body.job_id = id_;
-  if (m.tensors.size() == 5) {
+  if (n == 5) {
     body.adam_step = r.adam_step.value_or(0);
     body.loss_scale = r.loss_scale;
     body.loss_scale_good_steps = r.loss_scale_good_steps;
   }
   wire::Message load = msg::make(body);
-  load.tensors = std::move(m.tensors);
+  for (size_t i = 0; i < n; ++i) {
+    Slot sl = Ctx::take_reply_tensor(donor.id, pd.id, m, i);
+    c.attach(load, sl, uint32_t(i));
+  }
   Pending lp;
   lp.kind = ReqKind::kStateLoad;
   lp.job = id_;
   lp.stage = t->stage;
   lp.peer = t->id;
   lp.target = donor.hello.name;
+  if (!m.refs.empty()) {
+    lp.holder = donor.id;  // released once the joiner has loaded it, or failed to
+    lp.key = pd.id;
+  }
   lp.deadline_s = c.now + c.deadline_for(*t, spec_.timeouts.backward_s);
   c.request(lp, std::move(load));
 }

@@ -43,6 +43,11 @@ struct Peer {
   double last_moved_s = -1e300;   // when the rebalancer last moved it
   int last_from = -1;             // the stage it was last moved from
   msg::Heartbeat heartbeat;       // its last heartbeat
+  // Peer to peer: whether others fetch what it makes from its listen address. A peer without
+  // one, or one that receivers could not reach, is relayed: its tensors go through the router.
+  bool relayed = false;
+  std::set<PeerId> unreachable_from;   // receivers that could not fetch from it
+  bool can_hold() const { return !hello.listen.empty() && !relayed; }
   bool pinned() const { return hello.stage >= 0; }
   // Its measured ms per unit, else what its heartbeat says, else 0.
   double speed_ms() const { return ms_per_unit > 0 ? ms_per_unit : heartbeat.ms_per_unit; }

@@ -14,6 +14,7 @@ const char* req_kind_name(ReqKind k) {
     case ReqKind::kStateRequest: return "state request";
     case ReqKind::kStateLoad: return "state load";
     case ReqKind::kSnapshot: return "snapshot";
+    case ReqKind::kFetch: return "fetch";
   }
   return "?";
 }

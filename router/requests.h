@@ -27,6 +27,7 @@ enum class ReqKind {
   kStateRequest,  // STATE_REQUEST to a donor, for `target`
   kStateLoad,     // STATE_LOAD to a syncing peer
   kSnapshot,      // STATE_REQUEST {full} for the stage snapshot
+  kFetch,         // FETCH of a held tensor through the router (the relay): key = microbatch, stage = request slot
 };
 const char* req_kind_name(ReqKind k);
 
@@ -41,6 +42,8 @@ struct Pending {
   double units = 0;        // work units it adds to the peer's queue
   double queued = 0;       // the peer's queue when it was sent
   double sent_s = 0, deadline_s = 0;
+  bool hold = false;       // the reply's tensors stay at the peer (peer to peer)
+  PeerId holder;           // kStateLoad: the donor holding the state it references (its request: `key`)
 };
 
 class Requests {

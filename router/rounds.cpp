@@ -2,6 +2,7 @@
 #include "router/rounds.h"
 
 #include <algorithm>
+#include <functional>
 
 #include "runtime/diloco.h"
 
@@ -89,6 +90,11 @@ int64_t Rounds::values(int stage) const {
   return int64_t(hi - lo);
 }
 
+int64_t Rounds::part_values(int stage, int shards, int j) const {
+  const auto [lo, hi] = diloco::fragment_range(size_t(values(stage)), shards, j);
+  return int64_t(hi - lo);
+}
+
 msg::RoundRef Rounds::ref(int s) const {
   msg::RoundRef r;
   r.job_id = job_;
@@ -97,7 +103,26 @@ msg::RoundRef Rounds::ref(int s) const {
   r.what = what_;
   r.fragment = fragment_;
   r.fragments = what_ == msg::RoundWhat::kGrad ? 1 : spec_.diloco.fragments;
+  r.shards = stages_.empty() ? 1 : stages_[size_t(s)].shards;
   return r;
+}
+
+void Rounds::count_bytes(Ctx& c, const wire::Message& m, const PeerId& receiver) {
+  auto name = [&](const PeerId& id) {
+    const Peer* p = c.peers.find(id);
+    return p ? p->hello.name : id;
+  };
+  for (const auto& t : m.tensors) {
+    bytes_outer += t.desc.wire_bytes();
+    round_bytes_[name(receiver)].received += t.desc.wire_bytes();
+  }
+  for (const auto& r : m.refs) {
+    if (r.from == c.peers.find(receiver)->hello.listen) continue;  // its own: no link crossed
+    bytes_outer += r.desc.wire_bytes();
+    round_bytes_[name(receiver)].received += r.desc.wire_bytes();
+    for (const auto& [id, p] : c.peers.all())
+      if (!p.hello.listen.empty() && p.hello.listen == r.from) round_bytes_[p.hello.name].sent += r.desc.wire_bytes();
+  }
 }
 
 void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
@@ -109,20 +134,30 @@ void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
   apply_step_ = step + (plan.overlapped ? spec_.diloco.overlap_steps : 0);
   deadline_s_ = c.now + spec_.diloco.deadline_s;
   if (what_ == msg::RoundWhat::kDelta) fragment_syncs_[size_t(fragment_)]++;
+  round_bytes_.clear();
   stages_.clear();
   stages_.resize(params_.size());
   for (int s = 0; s < int(params_.size()); ++s) {
     Stage& st = stages_[size_t(s)];
+    const std::vector<Peer*> members = c.peers.stage_peers(job_, s, c.now);
+    // Peer to peer when every member takes fetches: member j owns part j.
+    bool all_hold = !members.empty();
+    for (const Peer* p : members) all_hold &= p->can_hold();
+    st.p2p = spec_.routing.hops == Hops::kP2p && all_hold;
+    st.shards = st.p2p ? std::min<int>(int(members.size()), msg::kMaxShards) : 1;
     msg::RoundBegin b;
     static_cast<msg::RoundRef&>(b) = ref(s);
-    for (Peer* p : c.peers.stage_peers(job_, s, c.now)) {
+    for (Peer* p : members) {
       Pending pd;
       pd.kind = ReqKind::kRoundBegin;
       pd.job = job_;
       pd.stage = s;
       pd.peer = p->id;
       pd.deadline_s = c.now + c.deadline_for(*p, spec_.timeouts.backward_s);
-      c.request(pd, msg::make(b));
+      pd.hold = st.p2p;
+      wire::Message m = msg::make(b);
+      m.hold = st.p2p;
+      c.request(pd, std::move(m));
       st.members.push_back(p->id);
       st.waiting.insert(p->id);
     }
@@ -130,45 +165,78 @@ void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
 }
 
 void Rounds::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
-  if (!open_ || pd.stage < 0 || size_t(pd.stage) >= stages_.size()) return;
+  if (!open_ || pd.stage < 0 || size_t(pd.stage) >= stages_.size()) {
+    if (!m.refs.empty()) c.release(p.id, pd.id);
+    return;
+  }
   Stage& st = stages_[size_t(pd.stage)];
-  const int64_t n = values(pd.stage);
-  auto flat_ok = [&](const wire::Message& r) {
-    return r.tensors.size() == 1 && r.tensors[0].desc.dtype == wire::DType::kF32 &&
-           r.tensors[0].desc.shape == std::vector<int64_t>{n} && r.tensors[0].desc.codec == outer_;
+  // Each of the reply's tensors, sent or held, an f32 [n_j] in the outer codec.
+  auto flat_ok = [&](size_t count, const std::function<int64_t(size_t)>& n) {
+    if (m.tensors.size() + m.refs.size() != count) return false;
+    for (size_t j = 0; j < count; ++j) {
+      const wire::TensorDesc& d = m.refs.empty() ? m.tensors[j].desc : m.refs[j].desc;
+      if (d.dtype != wire::DType::kF32 || d.shape != std::vector<int64_t>{n(j)} || !(d.codec == outer_)) return false;
+    }
+    return true;
+  };
+  auto take_all = [&](size_t count) {
+    std::vector<Slot> out;
+    for (size_t j = 0; j < count; ++j) out.push_back(Ctx::take_reply_tensor(p.id, pd.id, m, j));
+    return out;
   };
   switch (pd.kind) {
     case ReqKind::kRoundBegin: {
       const msg::RoundDelta d = msg::read<msg::RoundDelta>(m);
-      if (d.round != count_ || st.phase != Stage::Phase::kCollect || !st.waiting.erase(p.id)) return;
-      if (!flat_ok(m)) {
-        c.warn("peer " + p.hello.name + " sent an outer gradient that is not f32 [" + std::to_string(n) + "] in " + outer_.name() +
-               "; left out of round " + std::to_string(count_));
+      const bool expected = d.round == count_ && st.phase == Stage::Phase::kCollect && st.waiting.erase(p.id);
+      if (!expected || !flat_ok(size_t(st.shards), [&](size_t j) { return part_values(pd.stage, st.shards, int(j)); })) {
+        if (expected)
+          c.warn("peer " + p.hello.name + " sent an outer gradient that is not " + std::to_string(st.shards) + " part(s) of f32 [" +
+                 std::to_string(values(pd.stage)) + "] in " + outer_.name() + "; left out of round " + std::to_string(count_));
+        if (!m.refs.empty()) c.release(p.id, pd.id);
         return;
       }
       // Weighed by the samples the router saw it train on since this fragment last synced. A
       // peer with none took no inner step since, so its outer gradient is zero and rightly left out.
       const int64_t counted = samples_.since_sync(p.id, what_ == msg::RoundWhat::kGrad ? 0 : fragment_);
-      if (what_ == msg::RoundWhat::kDelta && counted <= 0) return;
-      bytes_outer += m.tensors[0].desc.wire_bytes();
+      if (what_ == msg::RoundWhat::kDelta && counted <= 0) {
+        if (!m.refs.empty()) c.release(p.id, pd.id);
+        return;
+      }
       st.weights[p.id] = double(counted);
-      st.deltas[p.id] = std::move(m.tensors[0]);
+      std::vector<Slot> parts = take_all(size_t(st.shards));
+      for (const Slot& sl : parts)
+        if (sl.bytes) {
+          bytes_outer += sl.bytes->desc.wire_bytes();
+          round_bytes_[p.hello.name].sent += sl.bytes->desc.wire_bytes();
+        }
+      st.deltas[p.id] = std::move(parts);
       return;
     }
     case ReqKind::kRoundReduce: {
       const msg::RoundReduced r = msg::read<msg::RoundReduced>(m);
-      if (r.round != count_ || st.phase != Stage::Phase::kReduce || p.id != st.reducer) return;
-      if (!flat_ok(m)) {
-        c.warn("peer " + p.hello.name + " reduced stage " + std::to_string(pd.stage) + "'s round into a tensor that is not f32 [" +
-               std::to_string(n) + "] in " + outer_.name() + "; asking another peer");
-        st.reducers_tried.insert(p.id);
-        return reduce(c, pd.stage);
+      const int j = int(pd.key);
+      const bool expected = r.round == count_ && st.phase == Stage::Phase::kReduce && j < st.shards && st.reducing.count(j) &&
+                            p.id == st.owners[size_t(j)];
+      if (!expected) {
+        if (!m.refs.empty()) c.release(p.id, pd.id);
+        return;
       }
-      bytes_outer += m.tensors[0].desc.wire_bytes();
-      wire::Tensor t = std::move(m.tensors[0]);
-      wire::compress(t);  // once for all the group (entropy=zstd)
-      st.mean = std::move(t);
-      st.phase = Stage::Phase::kReduced;
+      if (!flat_ok(1, [&](size_t) { return part_values(pd.stage, st.shards, j); })) {
+        c.warn("peer " + p.hello.name + " reduced part " + std::to_string(j) + " of stage " + std::to_string(pd.stage) +
+               "'s round into a tensor that is not f32 [" + std::to_string(part_values(pd.stage, st.shards, j)) + "] in " +
+               outer_.name() + "; asking another peer");
+        if (!m.refs.empty()) c.release(p.id, pd.id);
+        st.owners_tried[size_t(j)].insert(p.id);
+        return reduce_part(c, pd.stage, j);
+      }
+      Slot mean = Ctx::take_reply_tensor(p.id, pd.id, m, 0);
+      if (mean.bytes) {
+        bytes_outer += mean.bytes->desc.wire_bytes();
+        round_bytes_[p.hello.name].sent += mean.bytes->desc.wire_bytes();
+      }
+      st.means[size_t(j)] = std::move(mean);
+      st.reducing.erase(j);
+      if (st.reducing.empty()) st.phase = Stage::Phase::kReduced;
       return;
     }
     case ReqKind::kRoundApply: {
@@ -185,12 +253,37 @@ void Rounds::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
 void Rounds::on_failed(Ctx& c, const Pending& pd) {
   if (!open_ || pd.stage < 0 || size_t(pd.stage) >= stages_.size()) return;
   Stage& st = stages_[size_t(pd.stage)];
-  if (pd.kind == ReqKind::kRoundReduce && st.phase == Stage::Phase::kReduce && pd.peer == st.reducer) {
-    st.reducers_tried.insert(pd.peer);
-    reduce(c, pd.stage);
+  const int j = int(pd.key);
+  if (pd.kind == ReqKind::kRoundReduce && st.phase == Stage::Phase::kReduce && j < st.shards && st.reducing.count(j) &&
+      pd.peer == st.owners[size_t(j)]) {
+    st.owners_tried[size_t(j)].insert(pd.peer);
+    reduce_part(c, pd.stage, j);
   } else {
     st.waiting.erase(pd.peer);
   }
+}
+
+void Rounds::on_fetch_failed(Ctx& c, const Pending& pd, int slot) {
+  if (!open_ || pd.stage < 0 || size_t(pd.stage) >= stages_.size()) return on_failed(c, pd);
+  Stage& st = stages_[size_t(pd.stage)];
+  const int j = int(pd.key);
+  if (pd.kind == ReqKind::kRoundReduce && st.phase == Stage::Phase::kReduce && j < st.shards && st.reducing.count(j) &&
+      pd.peer == st.owners[size_t(j)] && slot >= 0 && size_t(slot) < st.contributors[size_t(j)].size()) {
+    // A member's part is gone (its holder died or cannot be reached): this part's mean goes on without it.
+    const PeerId gone = st.contributors[size_t(j)][size_t(slot)];
+    const Peer* g = c.peers.find(gone);
+    c.warn("round " + std::to_string(count_) + ": part " + std::to_string(j) + " of stage " + std::to_string(pd.stage) +
+           " goes on without " + (g ? g->hello.name : gone) + "'s outer gradient (it could not be fetched)");
+    if (auto it = st.deltas.find(gone); it != st.deltas.end()) c.drop(it->second[size_t(j)]);
+    return reduce_part(c, pd.stage, j);
+  }
+  if (pd.kind == ReqKind::kRoundApply && st.phase == Stage::Phase::kApply) {
+    // It could not gather the group's means: it applies nothing now and is resynced after the vote.
+    st.unsynced.insert(pd.peer);
+    st.waiting.erase(pd.peer);
+    return;
+  }
+  on_failed(c, pd);
 }
 
 void Rounds::reduce(Ctx& c, int s) {
@@ -201,41 +294,68 @@ void Rounds::reduce(Ctx& c, int s) {
     st.phase = Stage::Phase::kDone;
     return;
   }
-  // The last reducer of the stage first (it holds the error-feedback residual), then by join order.
+  st.owners.assign(size_t(st.shards), PeerId());
+  st.owners_tried.assign(size_t(st.shards), {});
+  st.contributors.assign(size_t(st.shards), {});
+  st.means.clear();
+  st.means.resize(size_t(st.shards));
+  for (int j = 0; j < st.shards; ++j) st.reducing.insert(j);
+  for (int j = 0; j < st.shards; ++j) reduce_part(c, s, j);
+}
+
+void Rounds::reduce_part(Ctx& c, int s, int j) {
+  Stage& st = stages_[size_t(s)];
+  if (st.phase != Stage::Phase::kReduce) return;
+  // Its last owner first (it holds the error-feedback residual of this part's mean), then member
+  // j, j + 1, ... in join order.
   std::vector<const Peer*> cands;
-  for (const PeerId& id : st.members) {
+  for (size_t k = 0; k < st.members.size(); ++k) {
+    const PeerId& id = st.members[(size_t(j) + k) % st.members.size()];
     const Peer* p = c.peers.find(id);
-    if (p && p->state == PeerState::kReady && p->job_id == job_ && p->stage == s && !st.reducers_tried.count(id)) cands.push_back(p);
+    if (p && p->state == PeerState::kReady && p->job_id == job_ && p->stage == s && !st.owners_tried[size_t(j)].count(id) &&
+        (!st.p2p || p->can_hold()))
+      cands.push_back(p);
   }
-  auto last = last_reducer_.find(s);
+  auto last = last_owner_.find({s, j});
   std::stable_sort(cands.begin(), cands.end(), [&](const Peer* a, const Peer* b) {
-    const bool la = last != last_reducer_.end() && a->id == last->second, lb = last != last_reducer_.end() && b->id == last->second;
-    return la != lb ? la : a->seq < b->seq;
+    const bool la = last != last_owner_.end() && last->second.first == st.shards && a->id == last->second.second;
+    const bool lb = last != last_owner_.end() && last->second.first == st.shards && b->id == last->second.second;
+    return la > lb;
   });
-  if (cands.empty()) {
-    c.warn("round " + std::to_string(count_) + ": no peer of stage " + std::to_string(s) + " could reduce it; its global weights stay as they were");
+  bool any = false;
+  for (const auto& [id, parts] : st.deltas) any |= parts[size_t(j)].known();
+  if (cands.empty() || !any) {
+    c.warn("round " + std::to_string(count_) + ": part " + std::to_string(j) + " of stage " + std::to_string(s) +
+           (any ? " found no peer to reduce it" : " lost every outer gradient") + "; the stage's global weights stay as they were");
+    release(c, st);
     st.phase = Stage::Phase::kDone;
     return;
   }
-  const Peer& r = *cands.front();
-  st.reducer = r.id;
+  const Peer& owner = *cands.front();
+  st.owners[size_t(j)] = owner.id;
   msg::RoundReduce body;
   static_cast<msg::RoundRef&>(body) = ref(s);
+  body.shard = j;
   wire::Message m = msg::make(body);
+  st.contributors[size_t(j)].clear();
   for (const PeerId& id : st.members) {
     auto it = st.deltas.find(id);
-    if (it == st.deltas.end()) continue;
+    if (it == st.deltas.end() || !it->second[size_t(j)].known()) continue;
     body.weights.push_back(what_ == msg::RoundWhat::kGrad ? 1.0 : st.weights[id]);
-    m.tensors.push_back(wire::share(it->second));
-    bytes_outer += it->second.desc.wire_bytes();
+    c.attach(m, it->second[size_t(j)], uint32_t(st.contributors[size_t(j)].size()));
+    st.contributors[size_t(j)].push_back(id);
   }
   m.body = msg::pack(body);
+  m.hold = st.p2p;
+  count_bytes(c, m, owner.id);
   Pending pd;
   pd.kind = ReqKind::kRoundReduce;
   pd.job = job_;
+  pd.key = uint64_t(j);
   pd.stage = s;
-  pd.peer = r.id;
-  pd.deadline_s = c.now + c.deadline_for(r, spec_.timeouts.backward_s);
+  pd.peer = owner.id;
+  pd.hold = st.p2p;
+  pd.deadline_s = c.now + c.deadline_for(owner, spec_.timeouts.backward_s);
   c.request(pd, std::move(m));
 }
 
@@ -243,7 +363,7 @@ void Rounds::apply(Ctx& c, int s) {
   Stage& st = stages_[size_t(s)];
   st.phase = Stage::Phase::kApply;
   st.waiting.clear();
-  last_reducer_[s] = st.reducer;
+  for (int j = 0; j < st.shards; ++j) last_owner_[{s, j}] = {st.shards, st.owners[size_t(j)]};
   double samples = 0;
   for (const auto& [id, w] : st.weights) samples += w;
   msg::RoundApply body;
@@ -252,8 +372,8 @@ void Rounds::apply(Ctx& c, int s) {
   body.samples = int64_t(samples);
   for (Peer* p : c.peers.stage_peers(job_, s, c.now)) {
     wire::Message m = msg::make(body);
-    m.tensors.push_back(wire::share(*st.mean));
-    bytes_outer += st.mean->desc.wire_bytes();
+    for (int j = 0; j < st.shards; ++j) c.attach(m, st.means[size_t(j)], uint32_t(j));
+    count_bytes(c, m, p->id);
     Pending pd;
     pd.kind = ReqKind::kRoundApply;
     pd.job = job_;
@@ -264,16 +384,24 @@ void Rounds::apply(Ctx& c, int s) {
     st.waiting.insert(p->id);
     samples_.synced(p->id, what_ == msg::RoundWhat::kGrad ? -1 : fragment_);
   }
-  st.mean.reset();
+}
+
+// What the members and owners hold for the round goes once the round is applied or given up.
+void Rounds::release(Ctx& c, Stage& st) {
+  for (auto& [id, parts] : st.deltas)
+    for (Slot& sl : parts) c.drop(sl);
+  for (Slot& sl : st.means) c.drop(sl);
   st.deltas.clear();
+  st.means.clear();
 }
 
 void Rounds::vote(Ctx& c, int s) {
   Stage& st = stages_[size_t(s)];
   st.phase = Stage::Phase::kDone;
+  release(c, st);
   std::map<uint64_t, int> votes;
   for (const auto& [id, h] : st.hashes) votes[h]++;
-  if (votes.size() <= 1) return;
+  if (votes.size() <= 1 && st.unsynced.empty()) return;
   // The most common hash; a tie goes to the hash of the peer that joined first (the router's
   // order, which no peer can choose).
   auto seq = [&](const PeerId& id) { const Peer* p = c.peers.find(id); return p ? p->seq : UINT64_MAX; };
@@ -294,6 +422,12 @@ void Rounds::vote(Ctx& c, int s) {
       donor_seq = p->seq;
     }
   }
+  for (const PeerId& id : st.unsynced)
+    if (!donor.empty() && c.peers.find(id)) {
+      c.warn("peer " + c.peers.find(id)->hello.name + " could not gather stage " + std::to_string(s) + "'s round " +
+             std::to_string(count_) + "; resyncing it from a donor");
+      resyncs_.emplace_back(id, donor);
+    }
   for (const auto& [id, h] : st.hashes) {
     if (h == major) continue;
     hash_mismatches_++;
@@ -321,6 +455,8 @@ bool Rounds::advance(Ctx& c, bool may_apply) {
   if (done) {
     open_ = false;
     stages_.clear();
+    last_round_bytes_ = std::move(round_bytes_);
+    round_bytes_.clear();
   }
   return done;
 }
@@ -337,7 +473,10 @@ void Rounds::forget(const Peer& p) {
 nlohmann::json Rounds::status() const {
   nlohmann::json hashes = nlohmann::json::array();
   for (const auto& m : state_hashes_) hashes.push_back(m);
-  return {{"rounds", count_}, {"fragment_syncs", fragment_syncs_}, {"hash_mismatches", hash_mismatches_}, {"state_hashes", hashes}};
+  nlohmann::json bytes = nlohmann::json::object();
+  for (const auto& [name, b] : last_round_bytes_) bytes[name] = {{"sent", b.sent}, {"received", b.received}};
+  return {{"rounds", count_}, {"fragment_syncs", fragment_syncs_}, {"hash_mismatches", hash_mismatches_}, {"state_hashes", hashes},
+          {"outer_peer_bytes", bytes}};
 }
 
 }  // namespace swarm::router

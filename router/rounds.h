@@ -4,23 +4,31 @@
 // Defines the pure decision `plan_round` (what a barrier does about rounds, and why), the one
 // rule for when a DiLoCo round is due (`delta_round_due`), the router-side sample counts that
 // weigh each peer's outer gradient (SampleCounts: what the router saw each peer train on, never
-// what the peer claims), and Rounds, one open round at a time:
+// what the peer claims), and Rounds, one open round at a time. The round's values are cut into
+// K contiguous parts: K = 1 through the router (routing.hops "hub", or a group with a member
+// others cannot reach), K = the group's size peer to peer, where member j owns part j:
 //
-//   collect  ROUND_BEGIN to every ready peer of each stage; each answers ROUND_DELTA with its
-//            outer gradient (kept as the bytes it sent; the router decodes none of it)
-//   reduce   when all answered or diloco.deadline_s passed: ROUND_REDUCE with every delta and
-//            its weight to one peer of the group, the reducer, which answers ROUND_REDUCED with
-//            the mean (or the sum, for "grad") through the outer codec
-//   apply    (an overlapped round waits for its barrier) ROUND_APPLY with the mean to every
-//            ready peer of the stage; each applies the same outer step and answers ROUND_DONE
-//            with its state hash
+//   collect  ROUND_BEGIN {shards: K} to every ready peer of each stage; each answers
+//            ROUND_DELTA with its outer gradient in K parts (peer to peer: held by it, the
+//            reply carries references; the router decodes none of it)
+//   reduce   when all answered or diloco.deadline_s passed: per part j, ROUND_REDUCE with every
+//            member's part j and its weight to part j's owner, which answers ROUND_REDUCED with
+//            the mean (or the sum, for "grad") of its part through the outer codec; owners
+//            fetch the parts from the members, so no peer carries much more than its share
+//            (a reduce-scatter)
+//   apply    (an overlapped round waits for its barrier) ROUND_APPLY with the K means to every
+//            ready peer of the stage (an all-gather: each fetches them from the owners); each
+//            applies the same outer step and answers ROUND_DONE with its state hash
 //   vote     when all answered or the deadline passed: peers whose hash is not the most common
-//            one are re-synced from a peer that holds it
+//            one, and peers that could not fetch the means, are re-synced from a peer that holds
+//            the majority state
 //
-// The reducer is the previous round's reducer of that stage when it is still a member (its
-// error-feedback residual for a lossy outer codec lives there), else the member that joined
-// first; if it fails, the next member by join order. When the reducer changes, the residual
-// it held is lost: at most half a quantisation step per value of one round's mean.
+// Part j's owner is its previous owner when it is still a member and K is unchanged (the
+// error-feedback residual of a lossy outer codec for its mean lives there), else member j in join
+// order; if it fails, the next member. When the owner changes, the residual it held is lost: at
+// most half a quantisation step per value of one round's mean. A member's own residual spans all
+// its values, whatever the cut. A member whose part cannot be fetched is left out of that part's
+// mean (the others' weights renormalised); every member still applies the same means.
 #pragma once
 
 #include <cstdint>
@@ -91,27 +99,45 @@ class Rounds {
   // Peers that disagreed in the last vote, each with a donor that holds the majority state.
   std::vector<std::pair<PeerId, PeerId>> take_resyncs() { return std::move(resyncs_); }
 
-  nlohmann::json status() const;   // rounds, fragment_syncs, hash_mismatches, state_hashes
+  // A request of the round could not fetch tensor `slot` from the peer holding it.
+  void on_fetch_failed(Ctx& c, const Pending& pd, int slot);
+
+  nlohmann::json status() const;   // rounds, fragment_syncs, hash_mismatches, state_hashes, outer_peer_bytes
   void note_hash(const Peer& p, uint64_t hash);
   void forget(const Peer& p);      // it left: its counts and its last hash go
-  uint64_t bytes_outer = 0;        // outer-gradient bytes through the router: deltas, reduce, mean, apply
+  // Outer-gradient bytes that crossed a link (deltas, parts, means), through the router or peer
+  // to peer; and of the last round, what each peer sent and received (by name).
+  uint64_t bytes_outer = 0;
+  struct PeerBytes {
+    uint64_t sent = 0, received = 0;
+  };
+  const std::map<std::string, PeerBytes>& last_round_bytes() const { return last_round_bytes_; }
 
  private:
   struct Stage {
     enum class Phase { kCollect, kReduce, kReduced, kApply, kDone } phase = Phase::kCollect;
+    int shards = 1;                             // K: parts of the round's values
+    bool p2p = false;                           // parts held by the members, fetched by whoever needs them
     std::vector<PeerId> members;                // ROUND_BEGIN went to them, in join order
     std::set<PeerId> waiting;                   // collect: deltas due; apply: dones due
-    std::map<PeerId, wire::Tensor> deltas;      // as received
+    std::map<PeerId, std::vector<Slot>> deltas; // each member's K parts, as received
     std::map<PeerId, double> weights;           // router-counted samples
-    PeerId reducer;
-    std::set<PeerId> reducers_tried;
-    std::optional<wire::Tensor> mean;
+    std::vector<PeerId> owners;                 // [K] who reduces each part
+    std::vector<std::set<PeerId>> owners_tried; // [K]
+    std::vector<std::vector<PeerId>> contributors;  // [K] whose parts the part's ROUND_REDUCE carries, in order
+    std::vector<Slot> means;                    // [K] the reduced parts
+    std::set<int> reducing;                     // parts not reduced yet
+    std::set<PeerId> unsynced;                  // could not fetch the means: resynced after the vote
     std::map<PeerId, uint64_t> hashes;
   };
   int64_t values(int stage) const;              // the fragment's parameter count
+  int64_t part_values(int stage, int shards, int j) const;
   void reduce(Ctx& c, int s);
+  void reduce_part(Ctx& c, int s, int j);
   void apply(Ctx& c, int s);
   void vote(Ctx& c, int s);
+  void release(Ctx& c, Stage& st);
+  void count_bytes(Ctx& c, const wire::Message& m, const PeerId& receiver);   // per-peer figures of a request's tensors
   msg::RoundRef ref(int s) const;
 
   uint64_t job_;
@@ -126,7 +152,8 @@ class Rounds {
   int fragment_ = 0;
   double deadline_s_ = 0;
   std::vector<Stage> stages_;
-  std::map<int, PeerId> last_reducer_;          // per stage
+  std::map<std::pair<int, int>, std::pair<int, PeerId>> last_owner_;   // (stage, part) -> (K, owner)
+  std::map<std::string, PeerBytes> round_bytes_, last_round_bytes_;
   std::vector<uint64_t> fragment_syncs_;
   uint64_t hash_mismatches_ = 0;
   std::vector<std::map<std::string, uint64_t>> state_hashes_;   // per stage: peer name -> last hash

@@ -37,6 +37,7 @@ FlightConfig flight_config(uint64_t id, const JobSpec& s) {
   f.backward_cap_s = s.timeouts.backward_s;
   f.max_attempts = s.timeouts.max_attempts;
   f.mode = s.routing.mode;
+  f.p2p = s.routing.hops == Hops::kP2p;
   return f;
 }
 
@@ -128,6 +129,7 @@ void TrainingJob::offer(Ctx& c, Peer& p) {
 
 void TrainingJob::on_peer_gone(Ctx& c, const Peer& p) {
   step_waiting_.erase(p.id);
+  flights_.on_peer_gone(p.id);
   rounds_.forget(p);
 }
 
@@ -151,6 +153,7 @@ void TrainingJob::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m)
     case ReqKind::kRoundApply: return rounds_.on_reply(c, p, pd, m);
     case ReqKind::kStateRequest: return on_state_reply(c, p, pd, m);
     case ReqKind::kStateLoad: {
+      if (!pd.holder.empty()) c.release(pd.holder, pd.key);
       const msg::RoundDone r = msg::read<msg::RoundDone>(m);
       if (p.state != PeerState::kSyncing) return;
       p.state = PeerState::kReady;
@@ -160,6 +163,11 @@ void TrainingJob::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m)
       return;
     }
     case ReqKind::kSnapshot: return dur_.on_reply(c, p, pd, m);
+    case ReqKind::kFetch: {
+      const HopOutcome o = flights_.on_uploaded(c, p, pd, m);
+      if (!o.blame.empty()) integrity_failure(c, o.blame, o.why);
+      return;
+    }
   }
 }
 
@@ -188,11 +196,21 @@ void TrainingJob::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tenso
       if (Peer* t = c.peers.find(pd.target); t && t->state == PeerState::kSyncing) start_sync(c, *t);
       return;
     case ReqKind::kStateLoad:
+      if (!pd.holder.empty()) c.release(pd.holder, pd.key);
       // The copy did not land: another donor, or the snapshot.
       if (p && p->state == PeerState::kSyncing) start_sync(c, *p);
       return;
     case ReqKind::kSnapshot: dur_.on_failed(pd); return;
+    case ReqKind::kFetch: flights_.on_upload_failed(c, pd); return;
   }
+}
+
+void TrainingJob::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) {
+  if (pd.kind == ReqKind::kRoundReduce || pd.kind == ReqKind::kRoundApply) return rounds_.on_fetch_failed(c, pd, slot);
+  if (pd.kind != ReqKind::kHop) return on_failed(c, pd, false, -1, why);
+  const HopFailure f = flights_.on_fetch_failed(c, pd, slot, not_held, why);
+  if (!f.blame.empty()) integrity_failure(c, f.blame, f.why);
+  if (f.exhausted) finish(c, JobState::kFailed, f.why);
 }
 
 void TrainingJob::hop_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
@@ -240,7 +258,7 @@ void TrainingJob::take(Ctx& c, uint64_t index, bool eval) {
   f.eval = eval;
   f.kind = eval ? HopKind::kEval : (S_ == 1 ? HopKind::kForwardLoss : HopKind::kForward);
   Flight& in = flights_.add(eval ? (kEvalBit | index) : index, std::move(f));
-  in.inputs[0] = tokens_tensor(d.x, B, T);
+  in.inputs[0].bytes = tokens_tensor(d.x, B, T);
   in.targets = tokens_tensor(d.y, B, T);
   if (eval) return;
   taken_++;
@@ -406,7 +424,7 @@ nlohmann::json TrainingJob::router_state(double now) const {
 
 void TrainingJob::finish(Ctx& c, JobState st, const std::string& reason) {
   Job::finish(c, st, reason);
-  flights_.clear();
+  flights_.clear(c);
   step_waiting_.clear();
   data_.reset();  // a finished job keeps its figures, not its data
   persist(c);

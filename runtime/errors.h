@@ -30,6 +30,8 @@ enum class WireErrc : int {
   kChecksum = 7,       // a tensor frame's checksum does not match
   kBadTensor = 8,      // tensor description inconsistent (dtype, shape, codec, byte count)
   kUnknownType = 9,    // message type we do not know
+  kUnreachable = 10,   // a tensor reference could not be fetched from its holder (docs/protocol.md)
+  kNotHeld = 11,       // FETCH of a tensor its holder does not hold (released, expired, never made)
 };
 inline const char* wire_errc_name(WireErrc code) {
   switch (code) {
@@ -42,6 +44,8 @@ inline const char* wire_errc_name(WireErrc code) {
     case WireErrc::kChecksum: return "checksum";
     case WireErrc::kBadTensor: return "bad_tensor";
     case WireErrc::kUnknownType: return "unknown_type";
+    case WireErrc::kUnreachable: return "unreachable";
+    case WireErrc::kNotHeld: return "not_held";
   }
   return "unknown";
 }

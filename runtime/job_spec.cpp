@@ -598,6 +598,7 @@ std::string parser_reason(const std::string& what) {
 const char* schedule_name(Schedule s) { return s == Schedule::kSync ? "sync" : "async"; }
 const char* diloco_sync_name(DilocoSync s) { return s == DilocoSync::kEveryStep ? "every_step" : "rounds"; }
 const char* routing_mode_name(RoutingMode m) { return m == RoutingMode::kStatic ? "static" : "swarm"; }
+const char* hops_name(Hops h) { return h == Hops::kHub ? "hub" : "p2p"; }
 
 int JobSpec::first_layer(int stage) const {
   SWARM_CHECK(int(partition.layers_per_stage.size()) == partition.stages,
@@ -693,12 +694,17 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
     o.get("snapshot_every_steps", s.checkpoint.snapshot_every_steps);
   }
   if (const json* v = top.sub("routing")) {
-    Obj o(*v, "routing", {"mode", "rebalance", "rebalance_period_s", "min_gain", "cooldown_s"});
+    Obj o(*v, "routing", {"mode", "hops", "rebalance", "rebalance_period_s", "min_gain", "cooldown_s"});
     std::string mode = routing_mode_name(s.routing.mode);
     o.get("mode", mode);
     s.routing.mode = choose<RoutingMode>("routing.mode", mode, {{"swarm", RoutingMode::kSwarm}, {"static", RoutingMode::kStatic}},
                                          "\"swarm\" (each hop to the peer that finishes it first) or \"static\" "
                                          "(fixed pipelines, for comparison)");
+    std::string hops = hops_name(s.routing.hops);
+    o.get("hops", hops);
+    s.routing.hops = choose<Hops>("routing.hops", hops, {{"p2p", Hops::kP2p}, {"hub", Hops::kHub}},
+                                  "\"p2p\" (tensors go straight from peer to peer; peers without --listen are relayed) or "
+                                  "\"hub\" (every tensor through the router)");
     o.get("rebalance", s.routing.rebalance);
     o.get("rebalance_period_s", s.routing.rebalance_period_s);
     o.get("min_gain", s.routing.min_gain);
@@ -796,6 +802,7 @@ json to_json(const JobSpec& s) {
                      {"keep", s.checkpoint.keep},
                      {"snapshot_every_steps", s.checkpoint.snapshot_every_steps}};
   j["routing"] = {{"mode", routing_mode_name(s.routing.mode)},
+                  {"hops", hops_name(s.routing.hops)},
                   {"rebalance", s.routing.rebalance},
                   {"rebalance_period_s", s.routing.rebalance_period_s},
                   {"min_gain", s.routing.min_gain},

@@ -20,9 +20,11 @@ namespace swarm {
 enum class Schedule { kAsync, kSync };        // "async": no barrier (SWARM); "sync": flush at every step (exact)
 enum class DilocoSync { kRounds, kEveryStep };  // "rounds": DiLoCo; "every_step": the data-parallel reference
 enum class RoutingMode { kSwarm, kStatic };   // "swarm": least expected completion; "static": fixed pipelines
+enum class Hops { kP2p, kHub };               // "p2p": tensors go peer to peer; "hub": through the router
 const char* schedule_name(Schedule s);
 const char* diloco_sync_name(DilocoSync s);
 const char* routing_mode_name(RoutingMode m);
+const char* hops_name(Hops h);
 
 struct ModelSpec {
   int vocab_size = 256;      // 256 for text read as bytes
@@ -122,6 +124,7 @@ struct CheckpointSpec {
 // How hops find peers, and whether the router moves peers between stages.
 struct RoutingSpec {
   RoutingMode mode = RoutingMode::kSwarm;
+  Hops hops = Hops::kP2p;      // where activations, gradients and outer gradients travel
   bool rebalance = true;       // move peers to the bottleneck stage
   double rebalance_period_s = 180;  // mean period (randomised +-25%)
   double min_gain = 0.10;      // a move must raise the minimum stage throughput by this fraction

@@ -54,6 +54,7 @@ struct Hello {
   std::string device_name;
   bool echo = false;                 // transport-benchmark peer
   double emulate = 1;                // compute slow-down factor (--emulate)
+  std::string listen;                // where other peers fetch tensors from it (tcp://host:port); empty: none (relayed)
   std::string name;                  // shown in `swarm peers`; the router keeps 64 bytes of it
   int64_t pid = 0;
   int32_t prefer_stage = -1;
@@ -71,6 +72,7 @@ struct Hello {
     v.field("device_name", device_name, kOptional, size_t(255));
     v.field("echo", echo, kOptional);
     v.field("emulate", emulate, kOptional, 1.0, 1e6);
+    v.field("listen", listen, kOptional, wire::kMaxAddressBytes);
     v.field("name", name, kOptional, size_t(255));
     v.field("pid", pid, kOptional, int64_t(0), wire::kIntMax);
     v.field("precision", precision, kOptional, size_t(16));
@@ -213,6 +215,7 @@ struct Result {
   std::optional<bool> cached;                 // BACKWARD: the forward's graph was still cached
   std::optional<std::vector<double>> codec_us;  // [act encode, act decode, grad encode, grad decode] [us]
   std::optional<double> compute_ms;           // compute time of a hop [ms], padded by --emulate
+  std::optional<std::vector<int64_t>> fetched;  // bytes of each request tensor fetched from another peer (0: it was local or inline)
   std::optional<double> loss;                 // FORWARD_LOSS, last-stage EVAL: mean cross-entropy
   std::optional<double> loss_scale;           // STEP: the peer's loss scale after it (with loss scaling)
   uint64_t mb = 0;
@@ -226,6 +229,7 @@ struct Result {
     v.field("cached", cached, kOptional);
     v.field("codec_us", codec_us, kOptional, size_t(4), 0.0, 1e15);
     v.field("compute_ms", compute_ms, kOptional, 0.0, kMaxMs);
+    v.field("fetched", fetched, kOptional, size_t(4), int64_t(0), int64_t(limits::kMaxMessageBytes));
     v.field("loss", loss, kOptional, 0.0, 1e6);
     v.field("loss_scale", loss_scale, kOptional, 0.0, 1e30);
     v.field("mb", mb, kOptional);
@@ -249,11 +253,15 @@ struct Step {
 };
 
 // The round's identity, shared by ROUND_BEGIN, ROUND_REDUCE and ROUND_APPLY.
+constexpr int32_t kMaxShards = 256;   // parts a round's values are cut into (peer to peer: one owner each)
+
 struct RoundRef {
   int32_t fragment = 0;
   int32_t fragments = 1;
   uint64_t job_id = 0;
   uint64_t round = 0;
+  int32_t shard = 0;       // ROUND_REDUCE: the part it reduces
+  int32_t shards = 1;      // the round's values cut into this many contiguous parts (diloco::fragment_range)
   int32_t stage = 0;
   RoundWhat what = RoundWhat::kDelta;
   template <class V>
@@ -262,6 +270,8 @@ struct RoundRef {
     v.field("fragments", fragments, kOptional, 1, 4096);
     v.field("job_id", job_id, kRequired, kMaxCount);
     v.field("round", round, kRequired, kMaxCount);
+    v.field("shard", shard, kOptional, 0, kMaxShards - 1);
+    v.field("shards", shards, kOptional, 1, kMaxShards);
     v.field("stage", stage, kRequired, 0, kMaxStageIndex);
     what = RoundWhat(v.choice("what", round_what_names(), kOptional, int(what)));
   }
@@ -437,6 +447,27 @@ struct Peers {
 };
 
 // Client -> router: {peer, fault}; router -> stage server: {fault} (a map).
+// FETCH (a peer or the router -> a holder) and its reply FETCHED (tensors [the tensor]).
+struct Fetch {
+  static constexpr MsgType kTypes[] = {MsgType::kFetch, MsgType::kFetched};
+  uint64_t key = 0;        // the request whose reply made the tensor (TensorRef.key)
+  int32_t part = 0;        // its index among that reply's tensors
+  template <class V>
+  void visit(V& v) {
+    v.field("key", key, kRequired);
+    v.field("part", part, kOptional, 0, int32_t(limits::kMaxFrames));
+  }
+};
+
+// RELEASE (router -> holder): drop the tensors of these requests' replies.
+struct Release {
+  static constexpr MsgType kType = MsgType::kRelease;
+  static constexpr size_t kMaxKeys = 1024;
+  std::vector<int64_t> keys;
+  template <class V>
+  void visit(V& v) { v.field("keys", keys, kRequired, kMaxKeys, int64_t(0), wire::kIntMax); }
+};
+
 struct Chaos {
   static constexpr MsgType kType = MsgType::kChaos;
   nlohmann::json fault;    // text "ACTION[,key=value...]" or a map (runtime/fault.h parses it)

@@ -119,6 +119,39 @@ TensorDesc parse_desc(const msgpack::object& d, size_t index) {
   return t;
 }
 
+std::vector<TensorRef> parse_refs(const msgpack::object& a, size_t ntensors, size_t max) {
+  if (a.type != msgpack::type::ARRAY) fail(WireErrc::kMalformed, "body.refs is not an array");
+  const size_t n = a.via.array.size;
+  if (ntensors + n > max)
+    fail(WireErrc::kMalformed, "carries at most " + std::to_string(max) + " tensor(s), got " + std::to_string(ntensors) + " and " +
+                                   std::to_string(n) + " reference(s)");
+  std::vector<TensorRef> out;
+  std::vector<bool> taken(ntensors + n, false);
+  for (size_t i = 0; i < n; ++i) {
+    const msgpack::object& r = a.via.array.ptr[i];
+    const std::string ctx = "reference " + std::to_string(i);
+    if (r.type != msgpack::type::MAP) fail(WireErrc::kMalformed, ctx + " is not a map");
+    TensorRef ref;
+    const msgpack::object* d = map_get(r, "desc");
+    if (!d) fail(WireErrc::kMalformed, ctx + ": desc missing");
+    ref.desc = parse_desc(*d, i);
+    const msgpack::object* from = map_get(r, "from");
+    if (!from || from->type != msgpack::type::STR || from->via.str.size > kMaxAddressBytes)
+      fail(WireErrc::kMalformed, ctx + ": from must be an address of at most " + std::to_string(kMaxAddressBytes) + " bytes");
+    ref.from.assign(from->via.str.ptr, from->via.str.size);
+    ref.key = get_u64(r, "key", ctx);
+    const uint64_t part = get_u64(r, "part", ctx), slot = get_u64(r, "slot", ctx);
+    if (part >= limits::kMaxFrames) fail(WireErrc::kMalformed, ctx + ": part out of range");
+    if (slot >= taken.size() || taken[slot])
+      fail(WireErrc::kMalformed, ctx + ": slot " + std::to_string(slot) + " is out of range or taken twice");
+    taken[slot] = true;
+    ref.part = uint32_t(part);
+    ref.slot = uint32_t(slot);
+    out.push_back(std::move(ref));
+  }
+  return out;
+}
+
 void pack_str(msgpack::packer<msgpack::sbuffer>& pk, const char* s) {
   const size_t n = std::strlen(s);
   pk.pack_str(uint32_t(n));
@@ -145,6 +178,23 @@ void pack_desc(msgpack::packer<msgpack::sbuffer>& pk, const TensorDesc& t) {
   if (zstd) {
     pack_str(pk, "zbytes");
     pk.pack(t.zbytes);
+  }
+}
+
+void pack_refs(msgpack::packer<msgpack::sbuffer>& pk, const std::vector<TensorRef>& refs) {
+  pk.pack_array(uint32_t(refs.size()));
+  for (const TensorRef& r : refs) {
+    pk.pack_map(5);
+    pack_str(pk, "desc");
+    pack_desc(pk, r.desc);
+    pack_str(pk, "from");
+    pk.pack(r.from);
+    pack_str(pk, "key");
+    pk.pack(r.key);
+    pack_str(pk, "part");
+    pk.pack(r.part);
+    pack_str(pk, "slot");
+    pk.pack(r.slot);
   }
 }
 
@@ -187,6 +237,9 @@ const char* msg_type_name(MsgType t) {
     case MsgType::kStateLoad: return "STATE_LOAD";
     case MsgType::kRoundReduce: return "ROUND_REDUCE";
     case MsgType::kRoundReduced: return "ROUND_REDUCED";
+    case MsgType::kFetch: return "FETCH";
+    case MsgType::kFetched: return "FETCHED";
+    case MsgType::kRelease: return "RELEASE";
     case MsgType::kSubmit: return "SUBMIT";
     case MsgType::kSubmitted: return "SUBMITTED";
     case MsgType::kStatus: return "STATUS";
@@ -204,9 +257,9 @@ bool known_type(int t) { return t > 0 && t <= 1000 && std::strcmp(msg_type_name(
 
 size_t max_tensors(MsgType t) {
   switch (t) {
-    case MsgType::kForward: case MsgType::kResult: case MsgType::kRoundDelta: case MsgType::kRoundApply:
-    case MsgType::kRoundReduced:
+    case MsgType::kForward: case MsgType::kResult: case MsgType::kRoundReduced: case MsgType::kFetched:
       return 1;
+    case MsgType::kRoundDelta: case MsgType::kRoundApply: return 256;   // one per part (msg::kMaxShards)
     case MsgType::kForwardLoss: case MsgType::kBackward: case MsgType::kEval: return 2;
     case MsgType::kStateReply: case MsgType::kStateLoad: return 5;
     case MsgType::kRoundReduce: return limits::kMaxFrames - 2;
@@ -270,12 +323,49 @@ void compress(Tensor& t) {
   t.packed = true;
 }
 
+void decompress(Tensor& t) {
+  if (!t.packed) return;
+  zmq::message_t raw(t.desc.nbytes);
+  const size_t got = ZSTD_decompress(raw.data(), raw.size(), t.data.data(), t.data.size());
+  if (ZSTD_isError(got) || got != t.desc.nbytes)
+    fail(WireErrc::kBadTensor, "zstd frame does not unpack to the " + std::to_string(t.desc.nbytes) + " bytes declared");
+  t.data = std::move(raw);
+  t.desc.zbytes = 0;
+  t.packed = false;
+}
+
 Tensor share(Tensor& t) {
   Tensor c;
   c.desc = t.desc;
   c.packed = t.packed;
   c.data.copy(t.data);
   return c;
+}
+
+bool same_tensor(const TensorDesc& a, const TensorDesc& b) {
+  return a.dtype == b.dtype && a.shape == b.shape && (a.dtype != DType::kF32 || a.codec == b.codec) && a.nbytes == b.nbytes &&
+         a.checksum == b.checksum;
+}
+
+void resolve(Message& m, std::vector<Tensor> fetched) {
+  SWARM_CHECK(fetched.size() == m.refs.size(), "one fetched tensor per reference");
+  const size_t n = m.tensors.size() + m.refs.size();
+  std::vector<std::optional<Tensor>> slots(n);
+  for (size_t i = 0; i < m.refs.size(); ++i) {
+    const TensorRef& r = m.refs[i];
+    if (!same_tensor(fetched[i].desc, r.desc))
+      fail(WireErrc::kBadTensor, "tensor " + std::to_string(r.slot) + " fetched from " + r.from + " is not the one referenced (" +
+                                     std::to_string(fetched[i].desc.nbytes) + " bytes, checksum " + std::to_string(fetched[i].desc.checksum) + ")");
+    slots[r.slot] = std::move(fetched[i]);
+  }
+  size_t next = 0;
+  for (auto& t : m.tensors) {
+    while (slots[next]) ++next;
+    slots[next] = std::move(t);
+  }
+  m.tensors.clear();
+  m.refs.clear();
+  for (auto& t : slots) m.tensors.push_back(std::move(*t));
 }
 
 Envelope peek_envelope(const std::vector<zmq::message_t>& frames) {
@@ -319,20 +409,33 @@ Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
   msgpack::object_handle oh = unpack_frame(frames[1], "body");
   const msgpack::object& body = oh.get();
   if (body.type != msgpack::type::MAP) fail(WireErrc::kMalformed, "body is not a map");
-  const msgpack::object* descs = nullptr;
+  // The keys the wire layer owns: tensor descriptions, references, the hold flag.
+  const msgpack::object *descs = nullptr, *refs = nullptr, *hold = nullptr;
   for (uint32_t i = 0; i < body.via.map.size; ++i) {
     const auto& kv = body.via.map.ptr[i];
     if (kv.key.type != msgpack::type::STR) fail(WireErrc::kMalformed, "body key is not a string");
     if (is_str(kv.key, "tensors")) descs = &kv.val;
+    else if (is_str(kv.key, "refs")) refs = &kv.val;
+    else if (is_str(kv.key, "hold")) hold = &kv.val;
   }
+  if (hold) {
+    if (hold->type != msgpack::type::BOOLEAN) fail(WireErrc::kMalformed, "body.hold is not a boolean");
+    m.hold = hold->via.boolean;
+  }
+  if (refs) m.refs = parse_refs(*refs, ntensors, max_tensors(env.type));
+  const uint32_t wire_keys = uint32_t(descs != nullptr) + uint32_t(refs != nullptr) + uint32_t(hold != nullptr);
   if (!descs) {
     if (ntensors != 0) fail(WireErrc::kMalformed, std::to_string(ntensors) + " tensor frame(s) but no descriptions in the body");
-    m.body.assign(static_cast<const char*>(frames[1].data()), frames[1].size());
-    return m;
+    if (wire_keys == 0) {
+      m.body.assign(static_cast<const char*>(frames[1].data()), frames[1].size());
+      return m;
+    }
+  } else if (descs->type != msgpack::type::ARRAY) {
+    fail(WireErrc::kMalformed, "body.tensors is not an array");
   }
-  if (descs->type != msgpack::type::ARRAY) fail(WireErrc::kMalformed, "body.tensors is not an array");
-  if (descs->via.array.size != ntensors)
-    fail(WireErrc::kTruncated, "body describes " + std::to_string(descs->via.array.size) + " tensor(s) but " + std::to_string(ntensors) + " frame(s) follow");
+  const uint32_t ndescs = descs ? descs->via.array.size : 0;
+  if (ndescs != ntensors)
+    fail(WireErrc::kTruncated, "body describes " + std::to_string(ndescs) + " tensor(s) but " + std::to_string(ntensors) + " frame(s) follow");
   // Every description is checked, and their declared sizes summed, before anything is unpacked.
   std::vector<TensorDesc> parsed;
   parsed.reserve(ntensors);
@@ -351,10 +454,10 @@ Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
   {
     msgpack::sbuffer buf;
     msgpack::packer<msgpack::sbuffer> pk(buf);
-    pk.pack_map(body.via.map.size - 1);
+    pk.pack_map(body.via.map.size - wire_keys);
     for (uint32_t i = 0; i < body.via.map.size; ++i) {
       const auto& kv = body.via.map.ptr[i];
-      if (&kv.val == descs) continue;
+      if (&kv.val == descs || &kv.val == refs || &kv.val == hold) continue;
       pk.pack(kv.key);
       pk.pack(kv.val);
     }
@@ -404,20 +507,30 @@ std::vector<zmq::message_t> encode(Message& m) {
     pk.pack(m.attempt);
     frames.push_back(to_frame(b));
   }
-  if (m.tensors.empty()) {
+  if (m.tensors.empty() && m.refs.empty() && !m.hold) {
     if (m.body.empty()) frames.emplace_back("\x80", 1);
     else frames.emplace_back(m.body.data(), m.body.size());
   } else {
     const auto [count, head] = map_header(m.body);
-    msgpack::sbuffer b(m.body.size() + 96 * m.tensors.size() + 16);
+    msgpack::sbuffer b(m.body.size() + 96 * (m.tensors.size() + m.refs.size()) + 16);
     msgpack::packer<msgpack::sbuffer> pk(b);
-    pk.pack_map(count + 1);
+    pk.pack_map(count + uint32_t(!m.tensors.empty()) + uint32_t(!m.refs.empty()) + uint32_t(m.hold));
     b.write(m.body.data() + head, m.body.size() - head);
-    pack_str(pk, "tensors");
-    pk.pack_array(uint32_t(m.tensors.size()));
-    for (auto& t : m.tensors) {
-      compress(t);
-      pack_desc(pk, t.desc);
+    if (m.hold) {
+      pack_str(pk, "hold");
+      pk.pack(true);
+    }
+    if (!m.refs.empty()) {
+      pack_str(pk, "refs");
+      pack_refs(pk, m.refs);
+    }
+    if (!m.tensors.empty()) {
+      pack_str(pk, "tensors");
+      pk.pack_array(uint32_t(m.tensors.size()));
+      for (auto& t : m.tensors) {
+        compress(t);
+        pack_desc(pk, t.desc);
+      }
     }
     frames.push_back(to_frame(b));
   }

@@ -54,6 +54,10 @@ enum class MsgType : int {
   kStateLoad = 36,    // router -> joiner: the same tensors; reply kRoundDone
   kRoundReduce = 37,  // router -> the round's reducer: {weights}; tensors [every member's outer gradient]
   kRoundReduced = 38, // reducer -> router: tensors [the group's mean or sum]
+  // Peer to peer (docs/protocol.md, "Peer to peer"); FETCH also router -> holder (the relay).
+  kFetch = 40,      // {key, part}: the tensor a TensorRef names; reply kFetched tensors [it] or kError not_held
+  kFetched = 41,
+  kRelease = 42,    // router -> holder {keys}: the replies of these requests are no longer needed
   // Client (CLI) -> router.
   kSubmit = 50,     // {spec, resume?} or {bench_transport}; reply kSubmitted {job_id} or kError
   kSubmitted = 51,
@@ -92,6 +96,18 @@ struct TensorDesc {
   uint64_t wire_bytes() const { return zbytes ? zbytes : nbytes; }   // what the payload costs on the wire
 };
 
+// A tensor that travels peer to peer: its description, and who holds its bytes. In a request
+// the receiver fetches it (FETCH {key, part} to `from`) before it acts on the message; in a
+// reply `from` is empty: the sender holds it, because the request asked it to (`hold`).
+struct TensorRef {
+  uint32_t slot = 0;   // its position among the message's tensors once fetched
+  std::string from;    // the holder's peer address (tcp://host:port); empty: the sender
+  uint64_t key = 0;    // the id of the request whose reply made it
+  uint32_t part = 0;   // its index among that reply's tensors
+  TensorDesc desc;     // what the fetched tensor must be, checksum included
+};
+constexpr size_t kMaxAddressBytes = 255;
+
 struct Tensor {
   TensorDesc desc;
   zmq::message_t data;            // desc.nbytes bytes; the zstd frame of them (desc.zbytes bytes) when packed
@@ -106,6 +122,11 @@ struct Message {
   // layer adds and removes them). Empty means the empty map. Read it with runtime/messages.h.
   std::string body;
   std::vector<Tensor> tensors;
+  // Tensors held elsewhere (docs/protocol.md, "Peer to peer"): together with `tensors` at most
+  // max_tensors(type); their slots and the tensors' positions fill 0..n-1.
+  std::vector<TensorRef> refs;
+  // A request's reply keeps its tensors at the replier and carries references instead.
+  bool hold = false;
 
   Message() = default;
   Message(MsgType t, uint64_t id_ = 0, uint32_t attempt_ = 0, std::string body_ = {})
@@ -127,12 +148,21 @@ uint64_t checksum(const void* data, size_t n);
 Tensor make_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec,
                    size_t nbytes);
 void seal(Tensor& t);   // computes the checksum
+// The tensors in slot order, once every reference has been fetched: `fetched[i]` is the
+// tensor of m.refs[i]. Throws WireError(kBadTensor) naming the slot when a fetched tensor is not
+// the one its reference describes (dtype, shape, codec, byte count, checksum).
+void resolve(Message& m, std::vector<Tensor> fetched);
+// Whether two descriptions name the same bytes.
+bool same_tensor(const TensorDesc& a, const TensorDesc& b);
+
 // A shared (zero-copy) copy of a tensor frame: the payload buffer is reference counted.
 Tensor share(Tensor& t);
 // Packs the payload into a zstd frame when the codec asks for it (entropy=zstd) and it is not
 // packed yet; `encode` does this for every tensor it sends. A tensor sent to several peers is
 // best compressed once, before it is shared. `decode` unpacks, so receivers see the codec's bytes.
 void compress(Tensor& t);
+// The reverse, for a packed tensor used where it was made (throws WireError on a bad frame).
+void decompress(Tensor& t);
 
 // The envelope of a message, parsed alone: a receiver decides from it whether to parse the rest
 // (the router takes nothing but HELLO from a routing id it does not know). Throws WireError.

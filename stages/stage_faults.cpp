@@ -25,7 +25,8 @@ bool is_request(int t) {
     case MsgType::kBye:
     case MsgType::kError:
     case MsgType::kChaos:
-    case MsgType::kChaosReply: return false;
+    case MsgType::kChaosReply:
+    case MsgType::kRelease: return false;  // a notice, not a request: it expects no reply
     default: return true;
   }
 }

@@ -2,7 +2,11 @@
 //
 // Two threads. The I/O thread owns the DEALER socket to the router: it sends HELLO and
 // heartbeats, decodes and validates every incoming message, answers session messages itself
-// and queues work for the compute thread; it reconnects when the router goes silent. A message
+// and queues work for the compute thread; it reconnects when the router goes silent. It also
+// owns the peer-to-peer side (stages/peer_link.h): the listen socket other peers fetch tensors
+// from, the fetches of the tensors a request references (the request reaches the compute
+// thread whole), and the tensors this peer holds for others (stages/holdings.h): a reply to a
+// request that asked it to hold keeps its tensors here and carries references instead. A message
 // it cannot read is counted and dropped: nothing from the network ends the process. The
 // compute thread owns the model (stages/worker.h) and sends its replies back through an inproc
 // pipe so that only the I/O thread touches the network socket. Injected faults
@@ -23,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "runtime/log.h"
@@ -30,6 +35,8 @@
 #include "runtime/timing.h"
 #include "stages/compute_threads.h"
 #include "stages/device_info.h"
+#include "stages/holdings.h"
+#include "stages/peer_link.h"
 #include "stages/precision.h"
 #include "stages/stage_faults.h"
 #include "stages/worker.h"
@@ -108,6 +115,17 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   const std::string routing_id = random_id();
 
   zmq::context_t ctx(1);
+  const auto t0 = Clock::now();
+  auto now_s = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  Holdings holdings(opt.hold_bytes, /*held_ttl_s=*/600, opt.cache_ttl_s);
+  std::unique_ptr<PeerLink> link;
+  try {
+    link = std::make_unique<PeerLink>(ctx, opt.listen, opt.advertise, holdings, opt.fetch_timeout_s);
+  } catch (const InputError& e) {
+    log_error("stage", e.what());
+    return 2;
+  }
+  if (!link->address().empty()) log_info("stage", "peers fetch tensors from " + link->address());
   zmq::socket_t to_io(ctx, zmq::socket_type::pair), from_worker(ctx, zmq::socket_type::pair);
   from_worker.bind("inproc://replies");
   to_io.connect("inproc://replies");
@@ -165,6 +183,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     h.threads = opt.threads;
     h.pid = int64_t(getpid());
     h.echo = opt.echo;
+    h.listen = link->address();
     Message m = msg::make(h);
     wire::send(s, m);
   };
@@ -172,6 +191,51 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   hello(*sock);
   log_info("stage", name + " (" + routing_id + ") connecting to " + opt.router +
                         (opt.emulate > 1 ? " [emulated " + (opt.profile.empty() ? std::to_string(opt.emulate) + "x slower" : opt.profile) + "]" : ""));
+  // Requests whose reply keeps its tensors here (hold), and the bytes fetched for each request.
+  std::set<uint64_t> hold_ids;
+  std::map<uint64_t, std::vector<int64_t>> fetched_by_id;
+  // A reply from the compute thread, before it leaves: tensors kept and referenced, fetched
+  // bytes reported. Anything else passes untouched.
+  auto finish_reply = [&](Frames frames) -> Frames {
+    const std::optional<uint64_t> id = wire::peek_id(frames);
+    if (!id) return frames;
+    const bool hold = hold_ids.erase(*id) > 0;
+    auto fetched = fetched_by_id.find(*id);
+    if (!hold && fetched == fetched_by_id.end()) return frames;
+    Message m;
+    try {
+      m = wire::decode(frames, /*verify_checksums=*/false);
+    } catch (const WireError& e) {
+      SWARM_CHECK(false, std::string("the compute thread's reply does not decode: ") + e.what());
+    }
+    if (m.type == MsgType::kResult && fetched != fetched_by_id.end()) {
+      msg::Result r = msg::read<msg::Result>(m);
+      r.fetched = fetched->second;
+      m.body = msg::make(r).body;
+    }
+    if (fetched != fetched_by_id.end()) fetched_by_id.erase(fetched);
+    if (hold && m.type != MsgType::kError) {
+      for (size_t i = 0; i < m.tensors.size(); ++i) {
+        wire::TensorRef ref;
+        ref.slot = uint32_t(i);
+        ref.key = m.id;
+        ref.part = uint32_t(i);
+        wire::compress(m.tensors[i]);  // kept as it travels (entropy=zstd packs once)
+        ref.desc = m.tensors[i].desc;
+        holdings.put(m.id, uint32_t(i), std::move(m.tensors[i]), false, now_s());
+        m.refs.push_back(std::move(ref));
+      }
+      m.tensors.clear();
+    }
+    return wire::encode(m);
+  };
+  // A request for the compute thread: whole, or once what it references has been fetched.
+  auto queue_work = [&](Message m, uint64_t seq) {
+    if (m.hold) hold_ids.insert(m.id);
+    if (m.refs.empty()) return inbox.push(std::move(m), seq);
+    link->resolve(std::move(m), seq, now_s());
+  };
+
   auto last_heard = Clock::now();
   auto last_beat = Clock::now();
   bool welcomed = false;
@@ -223,6 +287,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
           heartbeat_ms = std::max(10, w.heartbeat_ms.value_or(heartbeat_ms));
           silent_s = std::max(1, w.liveness.value_or(opt.liveness)) * heartbeat_ms / 1000.0;
           welcomed = true;
+          holdings.clear();  // a new session: the router knows nothing of what we held
           backoff_s = 0.5;
           reconnects = 0;
           log_info("stage", "registered with the router as " + w.peer_id.value_or(routing_id));
@@ -241,6 +306,19 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
           stop = true;
           break;
         case MsgType::kChaos: add_fault(m); break;
+        case MsgType::kRelease:
+          for (int64_t key : msg::read<msg::Release>(m).keys) holdings.release(uint64_t(key));
+          break;
+        case MsgType::kFetch: {
+          // The router relays a tensor this peer holds to a peer that could not reach it.
+          Message rep = link->serve(m);
+          answer(rep);
+          break;
+        }
+        case MsgType::kLoadStage:
+          holdings.clear();  // another job or stage: nothing held is needed any more
+          queue_work(std::move(m), d.seq);
+          break;
         case MsgType::kForward:
           if (opt.echo) {
             // The transport benchmark's peer: the very bytes that came in go back at once, with
@@ -252,10 +330,10 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
             answer(rep);
             break;
           }
-          inbox.push(std::move(m), d.seq);
+          queue_work(std::move(m), d.seq);
           break;
         default:
-          inbox.push(std::move(m), d.seq);
+          queue_work(std::move(m), d.seq);
       }
     } catch (const InputError& e) {
       // A session message we cannot read: counted and dropped; the process carries on.
@@ -266,9 +344,11 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
 
   while (!stop) {
     if (faults.wait_while_frozen()) log_warn("fault", "freeze over: carrying on as before");
-    zmq::pollitem_t items[] = {{sock->handle(), 0, ZMQ_POLLIN, 0}, {from_worker.handle(), 0, ZMQ_POLLIN, 0}};
+    std::vector<zmq::pollitem_t> items = {{sock->handle(), 0, ZMQ_POLLIN, 0}, {from_worker.handle(), 0, ZMQ_POLLIN, 0}};
+    link->add_poll_items(items);
+    const int poll_ms = link->waiting() ? 10 : std::max(10, heartbeat_ms / 4);  // fetch timeouts are checked each loop
     try {
-      zmq::poll(items, 2, std::chrono::milliseconds(faults.poll_ms(std::max(10, heartbeat_ms / 4))));
+      zmq::poll(items.data(), items.size(), std::chrono::milliseconds(faults.poll_ms(poll_ms)));
     } catch (const zmq::error_t& e) {
       if (e.num() == EINTR) continue;  // SIGTERM: the loop condition decides
       throw;
@@ -276,8 +356,21 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     if (items[1].revents & ZMQ_POLLIN) {
       // Replies from the compute thread: forwarded frame by frame, untouched unless a fault fires.
       while (auto r = wire::recv_frames(from_worker, false, zmq::recv_flags::dontwait)) {
-        for (auto& f : faults.outgoing(std::move(r->frames))) send_frames(f);
+        for (auto& f : faults.outgoing(finish_reply(std::move(r->frames)))) send_frames(f);
       }
+    }
+    link->set_cut(faults.partitioned());
+    link->ready(items, 2, now_s());
+    for (auto& r : link->take(now_s())) {
+      if (r.error) {
+        hold_ids.erase(r.error->id);
+        answer(*r.error);
+        continue;
+      }
+      bool any = false;
+      for (int64_t b : r.fetched) any |= b > 0;
+      if (any) fetched_by_id[r.msg.id] = std::move(r.fetched);
+      inbox.push(std::move(r.msg), r.seq);
     }
     if (items[0].revents & ZMQ_POLLIN) {
       std::vector<StageFaults::Delivery> deliveries;
@@ -294,6 +387,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     const auto now = Clock::now();
     if (std::chrono::duration<double, std::milli>(now - last_beat).count() >= heartbeat_ms) {
       last_beat = now;
+      holdings.expire(now_s());
       msg::Heartbeat b;
       b.stage = stats.stage.load();
       b.job_id = stats.job_id.load();

@@ -28,6 +28,12 @@ struct StageOptions {
   std::string profile;         // the named profile the factor came from ("t4", ...), for labels
   std::string name;            // shown in `swarm peers`; default host:pid
   bool echo = false;           // transport benchmark: answer FORWARD with the input untouched
+  // Peer to peer (docs/protocol.md, "Peer to peer"): where other peers fetch the tensors this
+  // one makes ("": nowhere; its tensors are relayed through the router), and the address they
+  // should dial when it differs from the bound one (NAT, several interfaces).
+  std::string listen, advertise;
+  double fetch_timeout_s = 30;         // a tensor that does not arrive from its holder in this long fails the hop
+  size_t hold_bytes = size_t(4) << 30; // tensors kept for other peers at most [bytes]
   int heartbeat_ms = 500;
   int liveness = 3;            // router silent for liveness * heartbeat_ms -> reconnect
   size_t cache_entries = 64;   // affinity cache: forward graphs kept for a later BACKWARD

@@ -549,7 +549,17 @@ struct Worker::Impl {
   // The flat range of the round's fragment (all parameters when the job does not stream).
   std::pair<size_t, size_t> fragment(const msg::RoundRef& r) const {
     if (r.fragment >= r.fragments) throw WireError(WireErrc::kMalformed, "fragment " + std::to_string(r.fragment) + " of " + std::to_string(r.fragments));
+    if (r.shard >= r.shards) throw WireError(WireErrc::kMalformed, "part " + std::to_string(r.shard) + " of " + std::to_string(r.shards));
     return diloco::fragment_range(theta_g_.size(), r.fragments, r.fragment);
+  }
+
+  // The round's n values cut into `shards` contiguous parts (peer to peer, one owner each):
+  // part j is [bounds[j], bounds[j + 1]).
+  static std::vector<int64_t> part_bounds(size_t n, int shards) {
+    std::vector<int64_t> b;
+    for (int j = 0; j < shards; ++j) b.push_back(int64_t(diloco::fragment_range(n, shards, j).first));
+    b.push_back(int64_t(n));
+    return b;
   }
 
   // ROUND_BEGIN. "delta" (DiLoCo): the outer gradient theta_g - theta over the fragment's range.
@@ -584,7 +594,9 @@ struct Worker::Impl {
       sent_[b.fragment].assign(theta.begin() + long(lo), theta.begin() + long(hi));
     }
     Message rep = msg::make(d, req.id, req.attempt);
-    rep.tensors.push_back(outer_encode(std::string(msg::round_what_name(b.what)) + ":" + std::to_string(b.fragment), v));
+    // One tensor per part; the residual of a lossy codec spans the whole, whatever the cut.
+    rep.tensors = outer_encode(std::string(msg::round_what_name(b.what)) + ":" + std::to_string(b.fragment), v,
+                               part_bounds(v.size(), b.shards));
     return rep;
   }
 
@@ -598,7 +610,9 @@ struct Worker::Impl {
       throw WireError(WireErrc::kMalformed, "ROUND_REDUCE carries one weight per tensor (" + std::to_string(b.weights.size()) +
                                                 " weights, " + std::to_string(req.tensors.size()) + " tensors)");
     const auto [lo, hi] = fragment(b);
-    const size_t n = b.what == msg::RoundWhat::kGrad ? theta_g_.size() : hi - lo;
+    // This reducer's part of the round's values (all of them unless the round is cut in parts).
+    const std::vector<int64_t> bounds = part_bounds(b.what == msg::RoundWhat::kGrad ? theta_g_.size() : hi - lo, b.shards);
+    const size_t n = size_t(bounds[size_t(b.shard) + 1] - bounds[size_t(b.shard)]);
     std::vector<float> sum;
     double total = 0;
     for (size_t k = 0; k < req.tensors.size(); ++k) {
@@ -616,7 +630,9 @@ struct Worker::Impl {
     r.round = b.round;
     r.stage = stage_;
     Message rep = msg::make(r, req.id, req.attempt);
-    rep.tensors.push_back(outer_encode(std::string("mean:") + msg::round_what_name(b.what) + ":" + std::to_string(b.fragment), sum));
+    std::string key = std::string("mean:") + msg::round_what_name(b.what) + ":" + std::to_string(b.fragment);
+    if (b.shards > 1) key += ":" + std::to_string(bounds[size_t(b.shard)]) + "-" + std::to_string(bounds[size_t(b.shard) + 1]);
+    rep.tensors = outer_encode(key, sum, {0, int64_t(sum.size())});
     return rep;
   }
 
@@ -628,10 +644,21 @@ struct Worker::Impl {
   Message round_apply(Message& req) {
     const msg::RoundApply b = msg::read<msg::RoundApply>(req);
     check_job(b.job_id);
-    need_tensors(req, 1);
+    need_tensors(req, size_t(b.shards));
     const auto [lo, hi] = fragment(b);
+    // The group's result, from its parts (one tensor each, in order).
+    auto whole = [&](size_t n) {
+      const std::vector<int64_t> bounds = part_bounds(n, b.shards);
+      std::vector<float> v;
+      v.reserve(n);
+      for (size_t j = 0; j < req.tensors.size(); ++j) {
+        const std::vector<float> part = flat_from_wire(req.tensors[j], int(j), size_t(bounds[j + 1] - bounds[j]));
+        v.insert(v.end(), part.begin(), part.end());
+      }
+      return v;
+    };
     if (b.what == msg::RoundWhat::kGrad) {
-      const std::vector<float> g = flat_from_wire(req.tensors[0], 0, theta_g_.size());
+      const std::vector<float> g = whole(theta_g_.size());
       set_grads(g);
       if (b.samples > 0) optim_->step(b.samples);
       optim_->zero_grad();
@@ -639,7 +666,7 @@ struct Worker::Impl {
       stats_.steps++;
       theta_g_ = flatten();
     } else {
-      const std::vector<float> d = flat_from_wire(req.tensors[0], 0, hi - lo);
+      const std::vector<float> d = whole(hi - lo);
       diloco::outer_step(theta_g_.data() + lo, momentum_.data() + lo, d.data(), hi - lo, float(spec_.diloco.outer_lr),
                          float(spec_.diloco.outer_momentum), spec_.diloco.nesterov);
       // A lossy outer codec moves theta_g off the subspace codec's constraint; the same
@@ -662,13 +689,25 @@ struct Worker::Impl {
     return msg::make(r, req.id, req.attempt);
   }
 
-  wire::Tensor outer_encode(const std::string& key, const std::vector<float>& v) {
-    if (outer_codec_.lossless()) return flat_tensor(v, outer_codec_);
-    const auto n = int64_t(v.size());
-    wire::Tensor t = wire::make_tensor(wire::DType::kF32, {n}, outer_codec_, compression::encoded_bytes(outer_codec_, n));
-    outer_ef_->encode(key, outer_codec_, v.data(), n, static_cast<uint8_t*>(t.data.data()));
-    wire::seal(t);
-    return t;
+  // v through the outer codec, one tensor per part [bounds[j], bounds[j + 1]); a lossy codec
+  // keeps what it could not send for the next call with the same key (error feedback).
+  std::vector<wire::Tensor> outer_encode(const std::string& key, const std::vector<float>& v, const std::vector<int64_t>& bounds) {
+    std::vector<wire::Tensor> parts;
+    std::vector<uint8_t*> dst;
+    for (size_t j = 0; j + 1 < bounds.size(); ++j) {
+      const int64_t n = bounds[j + 1] - bounds[j];
+      if (outer_codec_.lossless()) {
+        parts.push_back(flat_tensor(std::vector<float>(v.begin() + bounds[j], v.begin() + bounds[j + 1]), outer_codec_));
+        continue;
+      }
+      parts.push_back(wire::make_tensor(wire::DType::kF32, {n}, outer_codec_, compression::encoded_bytes(outer_codec_, n)));
+      dst.push_back(static_cast<uint8_t*>(parts.back().data.data()));
+    }
+    if (!outer_codec_.lossless()) {
+      outer_ef_->encode_parts(key, outer_codec_, v.data(), int64_t(v.size()), bounds, dst);
+      for (auto& t : parts) wire::seal(t);
+    }
+    return parts;
   }
 
   // The accumulated gradient sums, flat (zeros where a parameter has none).

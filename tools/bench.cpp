@@ -73,9 +73,9 @@ double bare_zmq(int64_t bytes, int64_t count) {
   return double(count - 1) * double(bytes) / s;
 }
 
-double through_router(LocalSwarm& swarm, int64_t bytes, int64_t count) {
+double through_router(LocalSwarm& swarm, int64_t bytes, int64_t count, int inflight) {
   Client c(swarm.router_endpoint());
-  json rep = c.request_body(wire::MsgType::kSubmit, json{{"bench_transport", {{"bytes", bytes}, {"count", count}, {"inflight", 8}}}});
+  json rep = c.request_body(wire::MsgType::kSubmit, json{{"bench_transport", {{"bytes", bytes}, {"count", count}, {"inflight", inflight}}}});
   FollowOptions fo;
   fo.quiet = true;
   fo.poll_s = 0.1;
@@ -98,18 +98,21 @@ int bench_transport(bool as_json) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   }
-  struct Case { const char* name; int64_t bytes, count; };
-  const Case cases[] = {{"4m", 4 << 20, 400}, {"4k", 4 << 10, 20000}};
+  // 8 payloads in flight, as a pipeline keeps a few hops per peer; 4 KiB payloads also with 64
+  // in flight: with 8, each payload waits for a round trip through four threads on each side,
+  // so the figure measures latency; with 64 the router's own per-message cost shows.
+  struct Case { const char* name; int64_t bytes, count; int inflight; const char* target; };
+  const Case cases[] = {{"4m", 4 << 20, 400, 8, ">= 0.7"}, {"4k", 4 << 10, 20000, 8, ">= 0.4"}, {"4k_inflight64", 4 << 10, 40000, 64, "report"}};
   json figures = json::object(), raw = json::object();
   for (const Case& cs : cases) {
     const double zmq_bps = bare_zmq(cs.bytes, cs.count);
-    const double router_bps = through_router(swarm, cs.bytes, cs.count);
+    const double router_bps = through_router(swarm, cs.bytes, cs.count, cs.inflight);
     const double ratio = router_bps / zmq_bps;
-    raw[cs.name] = {{"bytes", cs.bytes}, {"count", cs.count}, {"router_bytes_per_s", router_bps}, {"zmq_bytes_per_s", zmq_bps}};
-    figures[std::string("router_") + cs.name + "_vs_zmq"] = {{"value", ratio}, {"target", std::string(cs.name) == "4m" ? ">= 0.4" : "report"}};
+    raw[cs.name] = {{"bytes", cs.bytes}, {"count", cs.count}, {"inflight", cs.inflight}, {"router_bytes_per_s", router_bps}, {"zmq_bytes_per_s", zmq_bps}};
+    figures[std::string("router_") + cs.name + "_vs_zmq"] = {{"value", ratio}, {"target", cs.target}};
     char text[256];
-    std::snprintf(text, sizeof(text), "%s payloads: router + echo stage %.1f MB/s, bare zmq push/pull %.1f MB/s, ratio %.3f",
-                  cs.name, router_bps / 1e6, zmq_bps / 1e6, ratio);
+    std::snprintf(text, sizeof(text), "%s payloads (%d in flight): router + echo stage %.1f MB/s, bare zmq push/pull %.1f MB/s, ratio %.3f",
+                  cs.name, cs.inflight, router_bps / 1e6, zmq_bps / 1e6, ratio);
     emit(as_json, json{{"bench", "transport"}, {"case", cs.name}, {"router_bytes_per_s", router_bps}, {"zmq_bytes_per_s", zmq_bps}, {"ratio", ratio}}, text);
   }
   swarm.stop_all();

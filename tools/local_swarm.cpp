@@ -1,6 +1,8 @@
 // local_swarm.cpp: processes of a local swarm, and following a job (see local_swarm.h).
 #include "tools/local_swarm.h"
 
+#include <algorithm>
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -126,6 +128,14 @@ void LocalSwarm::restart_stage(size_t i) {
     argv.push_back(std::to_string(p.stage));
   }
   argv.insert(argv.end(), p.extra_args.begin(), p.extra_args.end());
+  // Peer to peer on loopback: each stage server takes other peers' fetches on a port of its own.
+  const bool own_listen = std::find(p.extra_args.begin(), p.extra_args.end(), "--listen") != p.extra_args.end() ||
+                          std::find(p.extra_args.begin(), p.extra_args.end(), "--no-listen") != p.extra_args.end();
+  const bool echo = std::find(p.extra_args.begin(), p.extra_args.end(), "--echo") != p.extra_args.end();
+  if (!own_listen && !echo) {
+    argv.push_back("--listen");
+    argv.push_back("tcp://127.0.0.1:*");
+  }
   const std::vector<std::string> faults = stage_faults_.stage_args(p.name);
   argv.insert(argv.end(), faults.begin(), faults.end());
   p.pid = spawn(argv, p.name + ".log");

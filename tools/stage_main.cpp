@@ -52,6 +52,18 @@ int main(int argc, char** argv) {
                  "act as a slower device: a factor (e.g. 4) or a profile: a100 (1), v100 (2), t4 (4), cpu-slow (8)");
   app.add_option("--name", opt.name, "name shown by `swarm peers` (default host:pid)");
   app.add_flag("--echo", opt.echo, "answer FORWARD with its input untouched (transport benchmark)");
+  app.add_option("--listen", opt.listen,
+                 "take other peers' fetches here, e.g. tcp://0.0.0.0:6000 (with --advertise) or tcp://10.0.0.5:*; without it this "
+                 "peer's tensors are relayed through the router");
+  app.add_option("--advertise", opt.advertise,
+                 "the address other peers dial, tcp://HOST:PORT, when it differs from --listen's (NAT, a wildcard bind)");
+  bool no_listen = false;
+  app.add_flag("--no-listen", no_listen, "take no connections from other peers (relayed through the router); the default");
+  app.add_option("--fetch-timeout-s", opt.fetch_timeout_s, "a tensor not fetched from its holder in this long fails its hop")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 3600.0));
+  size_t hold_mb = opt.hold_bytes >> 20;
+  app.add_option("--hold-mb", hold_mb, "tensors kept for other peers at most [MiB]")->capture_default_str()->check(CLI::Range(1, 1 << 24));
   app.add_option("--heartbeat-ms", opt.heartbeat_ms, "heartbeat interval")->capture_default_str();
   std::vector<std::string> fault_specs;
   std::string fault_plan;
@@ -62,6 +74,11 @@ int main(int argc, char** argv) {
   app.add_option("--fault-plan", fault_plan, "inject the faults of a plan file {\"seed\": N, \"faults\": [...]}");
   CLI::Option* seed_opt = app.add_option("--fault-seed", fault_seed, "seed of the faults' random draws (default: the plan's, else 1)");
   CLI11_PARSE(app, argc, argv);
+  opt.hold_bytes = hold_mb << 20;
+  if (no_listen && !opt.listen.empty()) {
+    std::fprintf(stderr, "--no-listen and --listen contradict each other; give one\n");
+    return 2;
+  }
   if (!collect_faults(fault_plan, fault_specs, seed_opt, fault_seed, opt)) return 2;
   try {
     opt.precision = swarm::parse_precision(precision);

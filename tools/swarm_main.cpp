@@ -216,8 +216,8 @@ int main(int argc, char** argv) {
       if (as_json) {
         std::cout << rep.dump() << std::endl;
       } else {
-        std::printf("%-16s %-20s %-6s %-8s %-8s %-7s %-7s %-10s %s\n", "ID", "NAME", "STAGE", "STATE", "DEVICE", "MEMORY", "FREE",
-                    "MS/UNIT", "EMULATED");
+        std::printf("%-16s %-20s %-6s %-8s %-8s %-7s %-7s %-10s %-8s %s\n", "ID", "NAME", "STAGE", "STATE", "DEVICE", "MEMORY", "FREE",
+                    "MS/UNIT", "HOPS", "EMULATED");
         // GiB, "-" when the peer did not say (FREE: free when it said HELLO, before it loaded a stage).
         auto gib = [](const json& p, const char* key) {
           const json v = p.value(key, json(nullptr));
@@ -226,9 +226,11 @@ int main(int argc, char** argv) {
           return std::string(text);
         };
         for (const auto& p : rep["peers"]) {
-          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-7s %-10.2f %s\n", p["id"].get<std::string>().c_str(), p["name"].get<std::string>().c_str(),
+          // HOPS: "direct" when other peers fetch its tensors from it, "relayed" when they go through the router.
+          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-7s %-10.2f %-8s %s\n", p["id"].get<std::string>().c_str(), p["name"].get<std::string>().c_str(),
                       p["stage"].get<int>(), p["state"].get<std::string>().c_str(), p.value("device_name", p["device"].get<std::string>()).c_str(),
                       gib(p, "device_memory_bytes").c_str(), gib(p, "device_memory_free_bytes").c_str(), p["ms_per_unit"].get<double>(),
+                      p.value("relayed", true) ? "relayed" : "direct",
                       p["emulate"].get<double>() > 1 ? (p["profile"].get<std::string>().empty() ? (std::to_string(p["emulate"].get<double>()) + "x").c_str() : p["profile"].get<std::string>().c_str()) : "-");
         }
       }

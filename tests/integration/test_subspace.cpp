@@ -80,11 +80,12 @@ TEST(SubspaceSwarm, SyncEqualsTheConstrainedReferenceOnExactBytesAndExportsToPyT
     const double r = ref["losses"][i].get<double>();
     EXPECT_NEAR(losses[i], r, 1e-4 * std::abs(r)) << "step " << i + 1;
   }
-  // Per sample of T tokens: three activation frames (forward into stages 1 and 2, and stage 1's
-  // input again with its backward), each k fp32 coefficients and a 1-byte token id per token;
-  // two gradient frames of k fp32 coefficients per token. fp32 would be 4 * d_model per token.
+  // Per sample of T tokens: two activation frames (forward into stages 1 and 2; stage 1's
+  // backward runs where its forward ran, which kept its input), each k fp32 coefficients and a
+  // 1-byte token id per token; two gradient frames of k fp32 coefficients per token. fp32
+  // would be 4 * d_model per token.
   if (st["microbatches"]["resent"] == 0) {
-    EXPECT_EQ(st["wire_bytes_per_sample"]["activations"].get<double>(), 3.0 * kT * (kK * 4 + 1));
+    EXPECT_EQ(st["wire_bytes_per_sample"]["activations"].get<double>(), 2.0 * kT * (kK * 4 + 1));
     EXPECT_EQ(st["wire_bytes_per_sample"]["gradients"].get<double>(), 2.0 * kT * kK * 4);
   }
 

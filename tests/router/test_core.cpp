@@ -381,5 +381,205 @@ TEST(Core, AFailedJobLeavesNoRequestBehindAndTheNextJobRuns) {
   EXPECT_TRUE(f.run(60, [&] { return f.status(second)["state"] == "done"; }));
 }
 
+// ---- Peer to peer (routing.hops "p2p") ----------------------------------------------------
+
+// Three stages, two peers each, all taking fetches.
+std::vector<PeerId> three_by_two_p2p(FakeSwarm& f) {
+  f.peers_listen = true;
+  return {f.join("a0", 0), f.join("a1", 0), f.join("b0", 1), f.join("b1", 1), f.join("c0", 2), f.join("c1", 2)};
+}
+
+size_t held_total(const FakeSwarm& f) {
+  size_t n = 0;
+  for (const auto& [id, p] : f.peers) n += p.held.size();
+  return n;
+}
+
+TEST(CoreP2p, ActivationsAndGradientsGoPeerToPeerAndEveryHeldTensorIsReleased) {
+  FakeSwarm f;
+  three_by_two_p2p(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  f.run(0.05);  // the last RELEASEs go out with the next tick
+  const json st = f.status(job);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_EQ(st["hops"]["mode"], "p2p");
+  // The router sent tokens and targets only: no activation or gradient went through it...
+  EXPECT_EQ(st["hops"]["bytes_through_router"], 0);
+  for (const auto& [id, p] : f.peers)
+    for (const auto& m : p.received)
+      if (m.type == MsgType::kForward || m.type == MsgType::kBackward || m.type == MsgType::kForwardLoss)
+        for (const auto& t : m.tensors) EXPECT_NE(t.desc.dtype, wire::DType::kF32) << wire::msg_type_name(m.type) << " to " << id;
+  // ...yet every hop's tensors were moved and counted, as the receivers fetched them.
+  EXPECT_GT(st["wire_bytes"]["activations"].get<uint64_t>(), 0u);
+  EXPECT_GT(st["wire_bytes"]["gradients"].get<uint64_t>(), 0u);
+  // Nothing is left held anywhere once the job is done.
+  EXPECT_EQ(held_total(f), 0u);
+  uint64_t released = 0;
+  for (const auto& [id, p] : f.peers) released += p.released;
+  EXPECT_GT(released, 0u);
+}
+
+TEST(CoreP2p, PeersWithoutAListenAddressAreRelayedThroughTheRouter) {
+  FakeSwarm f;
+  f.peers_listen = true;
+  f.join("a0", 0);
+  f.join("b0", 1);
+  f.peers_listen = false;
+  f.join("c0", 2);  // takes no connections: what it makes goes through the router
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 2));
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  // c0's gradients (the last stage's) came inline and went to b0 through the router.
+  EXPECT_GT(st["hops"]["bytes_through_router"].get<uint64_t>(), 0u);
+  EXPECT_TRUE(f.peers.at("p-c0").held.empty());
+  const json peers = f.core.peers_json(0, 100, f.now)["peers"];
+  for (const auto& p : peers) EXPECT_EQ(p["relayed"].get<bool>(), p["name"] == "c0") << p.dump();
+}
+
+TEST(CoreP2p, AHolderDyingMidBackwardHasItsTensorsMadeAgainAndNothingIsLost) {
+  FakeSwarm f;
+  three_by_two_p2p(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  // a0 takes a BACKWARD and never answers; the stage-1 peer holding that backward's gradient
+  // dies too, so when the hop goes to a1 the gradient must be made again.
+  f.peers.at("p-a0").silent_from = MsgType::kBackward;
+  ASSERT_TRUE(f.run(10, [&] { return received(f, "p-a0", MsgType::kBackward) > 0; }));
+  const wire::Message& bw = last_of(f, "p-a0", MsgType::kBackward);
+  ASSERT_EQ(bw.refs.size(), 1u);  // the tokens travel inline, the gradient is held
+  PeerId victim;
+  for (const auto& [id, p] : f.peers)
+    if (p.listen == bw.refs[0].from) victim = id;
+  ASSERT_TRUE(victim == "p-b0" || victim == "p-b1") << bw.refs[0].from;
+  f.kill(victim);
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_EQ(st["microbatches"]["completed"], 8);
+  EXPECT_GT(st["hops"]["remade"].get<uint64_t>(), 0u) << st["hops"].dump();
+}
+
+TEST(CoreP2p, AHolderOthersCannotReachIsRelayedByTheRouter) {
+  FakeSwarm f;
+  f.peers_listen = true;
+  f.join("a0", 0);
+  f.join("b0", 1);
+  f.join("b1", 1);
+  f.join("c0", 2);
+  f.peers.at("p-a0").unreachable = true;  // it answers the router, but no peer can dial it
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_GT(st["hops"]["fetch_failures"].get<uint64_t>(), 0u);
+  EXPECT_GT(st["hops"]["relayed_by_router"].get<uint64_t>(), 0u);
+  // Two receivers (b0, b1) could not reach it: it is relayed for good, and says so.
+  EXPECT_TRUE(f.logged("peer a0 is relayed from now on"));
+  EXPECT_GT(received(f, "p-a0", MsgType::kFetch), 0u);
+  EXPECT_EQ(f.peers.at("p-a0").held.size(), 0u);
+}
+
+TEST(CoreP2p, AReferenceAnsweredForAnotherRequestIsRejectedAsALie) {
+  FakeSwarm f;
+  three_by_two_p2p(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 2));
+  // a0's answer to its first FORWARD is still on its way when a0 sends a reference to
+  // something else instead.
+  ASSERT_TRUE(f.run(5, [&] { return received(f, "p-a0", MsgType::kForward) > 0; }));
+  const wire::Message& fw = last_of(f, "p-a0", MsgType::kForward);
+  ASSERT_TRUE(fw.hold);
+  msg::Result r;
+  r.mb = msg::read<msg::Hop>(fw).mb;
+  r.stage = 0;
+  wire::Message lie = msg::make(r, fw.id, fw.attempt);
+  wire::TensorRef ref;
+  ref.key = fw.id + 1000;  // not this request's
+  ref.desc.dtype = wire::DType::kF32;
+  ref.desc.shape = {2, 8, 16};
+  ref.desc.nbytes = 2 * 8 * 16 * 4;
+  lie.refs.push_back(ref);
+  f.deliver("p-a0", std::move(lie));
+  EXPECT_TRUE(f.logged("answered with a reference that is not its own output of this request"));
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  EXPECT_EQ(f.status(job)["microbatches"]["lost"], 0);
+}
+
+TEST(CoreP2p, EachMemberReducesItsPartOfTheRoundAndNoPeerCarriesMuchMoreThanItsShare) {
+  FakeSwarm f;
+  three_by_two_p2p(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  f.run(0.05);
+  const json st = f.status(job);
+  EXPECT_EQ(st["rounds"], 2);
+  // Two members per stage: the values are cut in two, one owner per part, each round.
+  for (const char* id : {"p-a0", "p-a1", "p-b0", "p-b1", "p-c0", "p-c1"}) {
+    EXPECT_EQ(received(f, id, MsgType::kRoundReduce), 2u) << id;
+    const wire::Message& apply = last_of(f, id, MsgType::kRoundApply);
+    EXPECT_TRUE(apply.tensors.empty());
+    EXPECT_EQ(apply.refs.size(), 2u);
+    EXPECT_EQ(msg::read<msg::RoundApply>(apply).shards, 2);
+  }
+  // Every peer sent and received about the same: a reduce-scatter and an all-gather.
+  const json bytes = st["outer_peer_bytes"];
+  ASSERT_EQ(bytes.size(), 6u) << bytes.dump();
+  double most = 0, total = 0;
+  for (const auto& [name, b] : bytes.items()) {
+    const double moved = b["sent"].get<double>() + b["received"].get<double>();
+    EXPECT_GT(b["sent"].get<double>(), 0) << name;
+    EXPECT_GT(b["received"].get<double>(), 0) << name;
+    most = std::max(most, moved);
+    total += moved;
+  }
+  EXPECT_LE(most / (total / 6), 1.2) << bytes.dump();
+  EXPECT_EQ(held_total(f), 0u);
+}
+
+TEST(CoreP2p, AnOwnerDyingMidReduceHandsItsPartToAnotherMember) {
+  FakeSwarm f;
+  three_by_two_p2p(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  f.peers.at("p-b1").silent_from = MsgType::kRoundReduce;  // takes its part and dies
+  ASSERT_TRUE(f.run(20, [&] { return received(f, "p-b1", MsgType::kRoundReduce) > 0; }));
+  f.kill("p-b1");
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  EXPECT_EQ(st["rounds"], 2);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  // b0 reduced both parts of the first round after b1 died, and the second round alone.
+  EXPECT_GE(received(f, "p-b0", MsgType::kRoundReduce), 3u);
+  EXPECT_EQ(st["hash_mismatches"], 0);
+}
+
+TEST(CoreP2p, AJoinerFetchesTheGroupsStateFromADonor) {
+  FakeSwarm f;
+  three_by_two_p2p(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 8));
+  ASSERT_TRUE(f.run(20, [&] { return f.status(job)["rounds"].get<int>() >= 1; }));
+  const PeerId joiner = f.join("b2", 1);
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  f.run(0.05);
+  const wire::Message& load = last_of(f, joiner, MsgType::kStateLoad);
+  EXPECT_TRUE(load.tensors.empty());
+  ASSERT_EQ(load.refs.size(), 2u);
+  EXPECT_TRUE(load.refs[0].from == "tcp://b0:6000" || load.refs[0].from == "tcp://b1:6000") << load.refs[0].from;
+  EXPECT_EQ(f.status(job)["microbatches"]["lost"], 0);
+  EXPECT_EQ(held_total(f), 0u);  // the donor let go of its copy once the joiner had it
+}
+
+TEST(CoreP2p, HubModeSendsEveryTensorThroughTheRouterEvenToPeersThatListen) {
+  FakeSwarm f;
+  three_by_two_p2p(f);
+  json spec = FakeSwarm::tiny_spec(3, 2);
+  spec["routing"]["hops"] = "hub";
+  const uint64_t job = f.submit(f.client(), spec);
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  EXPECT_EQ(st["hops"]["mode"], "hub");
+  EXPECT_EQ(held_total(f), 0u);
+  EXPECT_EQ(st["hops"]["bytes_through_router"], st["wire_bytes"]["activations"].get<uint64_t>() + st["wire_bytes"]["gradients"].get<uint64_t>());
+}
+
 }  // namespace
 }  // namespace swarm::router

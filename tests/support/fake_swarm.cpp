@@ -66,6 +66,10 @@ PeerId FakeSwarm::join(const std::string& name, int stage, int prefer, double em
   h.stage = stage;
   h.prefer_stage = prefer;
   h.emulate = emulate;
+  if (peers_listen) {
+    h.listen = "tcp://" + name + ":6000";
+    peers.at(id).listen = h.listen;
+  }
   deliver(id, msg::make(h));
   return id;
 }
@@ -143,6 +147,8 @@ void FakeSwarm::take(Actions actions) {
         if (p.received.size() >= keep_received) p.received.erase(p.received.begin());
         p.received.push_back(wire::Message(s->msg.type, s->msg.id, s->msg.attempt, s->msg.body));
         for (auto& t : s->msg.tensors) p.received.back().tensors.push_back(wire::share(t));
+        p.received.back().refs = s->msg.refs;
+        p.received.back().hold = s->msg.hold;
         if (p.silent_from && *p.silent_from == s->msg.type) p.silent = true;
         if (p.auto_answer && !p.silent) answer(p, s->msg);
       } else if (to_clients.count(s->to)) {
@@ -164,10 +170,49 @@ void FakeSwarm::take(Actions actions) {
   for (auto& w : written) take(core.on_checkpoint_written(w, now));
 }
 
+std::optional<wire::Message> FakeSwarm::fetch(FakePeer& p, const wire::Message& m, std::vector<int64_t>& fetched) {
+  fetched.assign(m.tensors.size() + m.refs.size(), 0);
+  for (const wire::TensorRef& ref : m.refs) {
+    if (p.held.count(ref.key)) continue;  // its own
+    FakePeer* h = nullptr;
+    for (auto& [id, q] : peers)
+      if (!q.listen.empty() && q.listen == ref.from) h = &q;
+    WireErrc code = WireErrc::kUnreachable;
+    if (h && h->alive && !h->unreachable) {
+      if (h->held.count(ref.key)) {
+        fetched[ref.slot] = int64_t(ref.desc.wire_bytes());
+        p.fetched_bytes += ref.desc.wire_bytes();
+        continue;
+      }
+      code = WireErrc::kNotHeld;
+    }
+    wire::Message e = msg::error_reply(&m, code, "cannot fetch tensor " + std::to_string(ref.slot) + " from " + ref.from);
+    msg::Error body = msg::read<msg::Error>(e);
+    body.tensor = int32_t(ref.slot);
+    e.body = msg::pack(body);
+    return e;
+  }
+  return std::nullopt;
+}
+
 void FakeSwarm::answer(FakePeer& p, const wire::Message& m) {
   using wire::MsgType;
   const JobSpec& s = p.spec;
-  auto reply = [&](wire::Message r) { inbox_.emplace_back(p.id, std::move(r)); };
+  // A reply to a request that asked it to hold keeps its tensors here, referenced.
+  auto reply = [&](wire::Message r) {
+    if (m.hold && !r.tensors.empty() && r.type != MsgType::kError) {
+      for (size_t i = 0; i < r.tensors.size(); ++i) {
+        wire::TensorRef ref;
+        ref.slot = ref.part = uint32_t(i);
+        ref.key = m.id;
+        ref.desc = r.tensors[i].desc;
+        r.refs.push_back(std::move(ref));
+      }
+      p.held[m.id] = std::move(r.tensors);
+      r.tensors.clear();
+    }
+    inbox_.emplace_back(p.id, std::move(r));
+  };
   auto act = [&](const std::string& codec) {
     const auto shape = p.wrong_shape.empty() ? std::vector<int64_t>{s.batch.microbatch_size, s.model.seq_len, s.model.d_model} : p.wrong_shape;
     return zeros(shape, compression::parse_codec(codec));
@@ -188,6 +233,8 @@ void FakeSwarm::answer(FakePeer& p, const wire::Message& m) {
     }
     case MsgType::kForward: case MsgType::kForwardLoss: case MsgType::kBackward: case MsgType::kEval: {
       const msg::Hop h = msg::read<msg::Hop>(m);
+      std::vector<int64_t> fetched;
+      if (std::optional<wire::Message> e = fetch(p, m, fetched)) return reply(std::move(*e));
       if (p.bad_input_reports > 0 && h.stage > 0 && m.type != MsgType::kBackward) {
         p.bad_input_reports--;
         wire::Message e = msg::error_reply(&m, WireErrc::kBadTensor, "non-finite values in the stage input");
@@ -199,6 +246,8 @@ void FakeSwarm::answer(FakePeer& p, const wire::Message& m) {
       msg::Result r;
       r.mb = h.mb;
       r.stage = h.stage;
+      for (int64_t b : fetched)
+        if (b > 0) r.fetched = fetched;
       const bool last = h.stage == S - 1;
       wire::Message rep;
       if (m.type == MsgType::kForward || (m.type == MsgType::kEval && !last)) {
@@ -226,9 +275,15 @@ void FakeSwarm::answer(FakePeer& p, const wire::Message& m) {
     }
     case MsgType::kRoundBegin: case MsgType::kRoundReduce: {
       const msg::RoundRef b = msg::read<msg::RoundBegin>(m);
+      std::vector<int64_t> fetched;
+      if (std::optional<wire::Message> e = fetch(p, m, fetched)) return reply(std::move(*e));
       const size_t P = size_t(stage_parameter_counts(s)[size_t(p.stage)]);
       const auto [lo, hi] = diloco::fragment_range(P, b.fragments, b.fragment);
-      const int64_t n = b.what == msg::RoundWhat::kGrad ? int64_t(P) : int64_t(hi - lo);
+      const size_t all = b.what == msg::RoundWhat::kGrad ? P : hi - lo;
+      auto part = [&](int j) {
+        const auto [plo, phi] = diloco::fragment_range(all, b.shards, j);
+        return zeros({int64_t(phi - plo)}, compression::parse_codec(s.compression.outer));
+      };
       wire::Message rep;
       if (m.type == MsgType::kRoundBegin) {
         msg::RoundDelta d;
@@ -242,10 +297,15 @@ void FakeSwarm::answer(FakePeer& p, const wire::Message& m) {
         d.stage = p.stage;
         rep = msg::make(d, m.id, m.attempt);
       }
-      rep.tensors.push_back(zeros({n}, compression::parse_codec(s.compression.outer)));
+      if (m.type == MsgType::kRoundBegin)
+        for (int j = 0; j < b.shards; ++j) rep.tensors.push_back(part(j));
+      else
+        rep.tensors.push_back(part(b.shard));
       return reply(std::move(rep));
     }
     case MsgType::kRoundApply: case MsgType::kStateLoad: {
+      std::vector<int64_t> fetched;
+      if (std::optional<wire::Message> e = fetch(p, m, fetched)) return reply(std::move(*e));
       msg::RoundDone d;
       if (m.type == MsgType::kRoundApply) d.round = msg::read<msg::RoundApply>(m).round;
       d.stage = p.stage;
@@ -263,6 +323,18 @@ void FakeSwarm::answer(FakePeer& p, const wire::Message& m) {
       wire::Message rep = msg::make(r, m.id, m.attempt);
       for (int k = 0; k < (q.full ? 5 : 2); ++k) rep.tensors.push_back(zeros({P}, compression::CodecSpec{}));
       return reply(std::move(rep));
+    }
+    case MsgType::kRelease:
+      for (int64_t key : msg::read<msg::Release>(m).keys) p.released += p.held.erase(uint64_t(key));
+      return;
+    case MsgType::kFetch: {
+      const msg::Fetch f = msg::read<msg::Fetch>(m);
+      auto it = p.held.find(f.key);
+      if (it == p.held.end() || size_t(f.part) >= it->second.size()) return reply(msg::error_reply(&m, WireErrc::kNotHeld, "not held"));
+      wire::Message r = msg::make(MsgType::kFetched, f, m.id, m.attempt);
+      r.tensors.push_back(wire::share(it->second[size_t(f.part)]));
+      inbox_.emplace_back(p.id, std::move(r));
+      return;
     }
     case MsgType::kBye: p.alive = false; return;
     default: return;

@@ -30,6 +30,12 @@ struct FakePeer {
   std::vector<int64_t> wrong_shape;  // non-empty: returns activations of this shape
   int bad_input_reports = 0;         // reports its next N stage inputs as bad (ERROR bad_tensor, tensor 0)
   JobSpec spec;                      // the job it loaded
+  // Peer to peer: where others fetch from it ("": relayed), whether they can reach it, and what
+  // it holds for them (by request id).
+  std::string listen;
+  bool unreachable = false;
+  std::map<uint64_t, std::vector<wire::Tensor>> held;
+  uint64_t released = 0, fetched_bytes = 0;
   std::vector<wire::Message> received;  // everything the router sent it
 };
 
@@ -47,6 +53,7 @@ class FakeSwarm {
   std::vector<LoadJob> loads;                        // LoadJob actions not answered yet
   double tick_s = 0.005;                             // fake time between ticks in run()
   size_t keep_received = 100000;                     // messages each peer keeps in `received`
+  bool peers_listen = false;                         // peers that join from now on take fetches (peer to peer)
 
   // A stage server says HELLO (stage: --stage; prefer: --prefer-stage).
   PeerId join(const std::string& name, int stage = -1, int prefer = -1, double emulate = 1);
@@ -73,6 +80,8 @@ class FakeSwarm {
  private:
   void take(Actions a);
   void answer(FakePeer& p, const wire::Message& m);
+  // The references of a request, fetched as a real peer would; the ERROR to answer when one fails.
+  std::optional<wire::Message> fetch(FakePeer& p, const wire::Message& m, std::vector<int64_t>& fetched);
   std::deque<std::pair<PeerId, wire::Message>> inbox_;   // replies due at the next step
   double last_beat_ = -1;
   std::string data_path_;

@@ -1,0 +1,249 @@
+// peer_link.cpp: implements stages/peer_link.h.
+#include "stages/peer_link.h"
+
+#include "runtime/errors.h"
+#include "runtime/log.h"
+#include "runtime/messages.h"
+
+namespace swarm {
+
+namespace {
+
+constexpr double kDialerIdleS = 60;
+
+std::unique_ptr<zmq::socket_t> socket_of(zmq::context_t& ctx, zmq::socket_type type) {
+  auto s = std::make_unique<zmq::socket_t>(ctx, type);
+  s->set(zmq::sockopt::linger, 0);
+  s->set(zmq::sockopt::sndhwm, 100000);
+  s->set(zmq::sockopt::rcvhwm, 100000);
+  return s;
+}
+
+}  // namespace
+
+PeerLink::PeerLink(zmq::context_t& ctx, const std::string& listen, const std::string& advertise, Holdings& holdings,
+                   double fetch_timeout_s)
+    : ctx_(ctx), holdings_(holdings), fetch_timeout_s_(fetch_timeout_s) {
+  if (listen.empty()) {
+    if (!advertise.empty()) throw InputError("--advertise needs --listen: the address to bind and take connections on");
+    return;
+  }
+  listen_ = socket_of(ctx, zmq::socket_type::router);
+  // A FETCH is small; a peer that sends frames of any size is cut off by libzmq before buffering them.
+  listen_->set(zmq::sockopt::maxmsgsize, int64_t(limits::kMaxSmallBodyBytes) + 4096);
+  try {
+    listen_->bind(listen);
+  } catch (const zmq::error_t& e) {
+    throw InputError("--listen " + listen + ": cannot bind (" + e.what() + "); give a free port, e.g. tcp://0.0.0.0:6000");
+  }
+  address_ = advertise.empty() ? listen_->get(zmq::sockopt::last_endpoint) : advertise;
+  if (address_.rfind("tcp://0.0.0.0:", 0) == 0 || address_.rfind("tcp://[::]:", 0) == 0 || address_.rfind("tcp://*:", 0) == 0)
+    throw InputError("--listen " + listen + " binds every interface, so other peers need to be told which address reaches this "
+                     "one: add --advertise tcp://HOST:PORT (HOST: this machine's address as the other hosts see it)");
+  if (address_.size() > wire::kMaxAddressBytes) throw InputError("--advertise: longer than " + std::to_string(wire::kMaxAddressBytes) + " bytes");
+}
+
+PeerLink::~PeerLink() = default;
+
+void PeerLink::add_poll_items(std::vector<zmq::pollitem_t>& items) {
+  if (listen_) items.push_back({listen_->handle(), 0, ZMQ_POLLIN, 0});
+  polled_.clear();
+  for (auto& [address, d] : dialers_) {
+    items.push_back({d.sock->handle(), 0, ZMQ_POLLIN, 0});
+    polled_.push_back(address);
+  }
+}
+
+void PeerLink::ready(const std::vector<zmq::pollitem_t>& items, size_t first, double now) {
+  size_t i = first;
+  if (listen_) {
+    if (items[i].revents & ZMQ_POLLIN) {
+      for (int n = 0; n < 256; ++n) {
+        auto r = wire::recv_frames(*listen_, true, zmq::recv_flags::dontwait);
+        if (!r) break;
+        if (cut_) continue;  // partitioned: the request never arrived
+        wire::Message reply;
+        try {
+          wire::Message m = wire::decode(r->frames);
+          if (m.type != wire::MsgType::kFetch)
+            throw WireError(WireErrc::kOutOfOrder, std::string("a peer's listen socket takes FETCH, not ") + wire::msg_type_name(m.type));
+          reply = serve(m);
+        } catch (const InputError& e) {
+          const std::optional<uint64_t> id = wire::peek_id(r->frames);
+          reply = msg::error_reply(id.value_or(0), 0, WireErrc::kMalformed, e.what());
+        }
+        wire::send(*listen_, reply, &r->route);
+      }
+    }
+    ++i;
+  }
+  for (const std::string& address : polled_) {
+    auto it = dialers_.find(address);
+    const bool in = items[i++].revents & ZMQ_POLLIN;
+    if (it == dialers_.end() || !in) continue;
+    for (int n = 0; n < 256; ++n) {
+      auto r = wire::recv_frames(*it->second.sock, false, zmq::recv_flags::dontwait);
+      if (!r) break;
+      it->second.last_used = now;
+      on_fetch_reply(*r, address);
+    }
+  }
+  // Dialers nobody used for a while are closed (their holders may be long gone).
+  for (auto it = dialers_.begin(); it != dialers_.end();) {
+    bool busy = false;
+    for (const auto& [id, f] : fetching_) busy |= f.address == it->first;
+    if (!busy && now - it->second.last_used > kDialerIdleS) it = dialers_.erase(it);
+    else ++it;
+  }
+}
+
+wire::Message PeerLink::serve(const wire::Message& fetch) {
+  const msg::Fetch f = msg::read<msg::Fetch>(fetch);
+  std::optional<wire::Tensor> t = holdings_.get(f.key, uint32_t(f.part));
+  if (!t)
+    return msg::error_reply(&fetch, WireErrc::kNotHeld,
+                            "this peer does not hold part " + std::to_string(f.part) + " of request " + std::to_string(f.key) +
+                                " (released, expired or never made)");
+  wire::Message reply = msg::make(wire::MsgType::kFetched, f, fetch.id, fetch.attempt);
+  served++;
+  served_bytes += t->desc.wire_bytes();
+  reply.tensors.push_back(std::move(*t));
+  return reply;
+}
+
+PeerLink::Dialer& PeerLink::dialer(const std::string& address, double now) {
+  Dialer& d = dialers_[address];
+  if (!d.sock) {
+    d.sock = socket_of(ctx_, zmq::socket_type::dealer);
+    d.sock->set(zmq::sockopt::maxmsgsize, int64_t(limits::kMaxTensorBytes) + int64_t(limits::kMaxSmallBodyBytes));
+    d.sock->connect(address);
+  }
+  d.last_used = now;
+  return d;
+}
+
+void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
+  const uint64_t wid = next_waiting_++;
+  Waiting& w = waiting_[wid];
+  w.seq = seq;
+  w.deadline = now + fetch_timeout_s_;
+  w.msg = std::move(m);
+  w.got.resize(w.msg.refs.size());
+  w.fetched.assign(w.msg.tensors.size() + w.msg.refs.size(), 0);
+  w.missing = w.msg.refs.size();
+  for (size_t i = 0; i < w.msg.refs.size(); ++i) {
+    const wire::TensorRef& r = w.msg.refs[i];
+    if (std::optional<wire::Tensor> t = holdings_.get(r.key, r.part); t && wire::same_tensor(t->desc, r.desc)) {
+      wire::decompress(*t);  // kept packed as it travels (entropy=zstd); used here as the codec's bytes
+      w.got[i] = std::move(t);  // made or fetched here before
+      w.missing--;
+      continue;
+    }
+    if (r.from.empty() || r.from == address_) {
+      fail(w, i, WireErrc::kNotHeld, "tensor " + std::to_string(r.slot) + " was to be held here, but this peer no longer has it");
+      continue;
+    }
+    if (cut_) continue;  // partitioned: times out
+    msg::Fetch f;
+    f.key = r.key;
+    f.part = int32_t(r.part);
+    const uint64_t fid = next_fetch_++;
+    wire::Message q = msg::make(wire::MsgType::kFetch, f, fid);
+    fetching_[fid] = Fetching{wid, i, r.from};
+    fetches++;
+    if (!wire::send(*dialer(r.from, now).sock, q)) fail(w, i, WireErrc::kUnreachable, "cannot queue a FETCH to " + r.from);
+  }
+}
+
+void PeerLink::fail(Waiting& w, size_t ref, WireErrc code, const std::string& why) {
+  if (w.error) return;  // the first failure is the one reported
+  msg::Error e;
+  e.code = int32_t(code);
+  e.name = wire_errc_name(code);
+  e.message = why;
+  e.request_type = int32_t(w.msg.type);
+  e.tensor = int32_t(w.msg.refs[ref].slot);
+  w.error = msg::make(e, w.msg.id, w.msg.attempt);
+}
+
+void PeerLink::on_fetch_reply(wire::Received& r, const std::string& address) {
+  const std::optional<uint64_t> fid = wire::peek_id(r.frames);
+  if (!fid) return;
+  auto f = fetching_.find(*fid);
+  if (f == fetching_.end() || f->second.address != address) return;  // late: its request timed out
+  const Fetching fetch = f->second;
+  fetching_.erase(f);
+  auto wi = waiting_.find(fetch.request);
+  if (wi == waiting_.end()) return;
+  Waiting& w = wi->second;
+  const wire::TensorRef& ref = w.msg.refs[fetch.ref];
+  try {
+    wire::Message m = wire::decode(r.frames);
+    if (m.type == wire::MsgType::kError) {
+      const msg::Error e = msg::read<msg::Error>(m);
+      return fail(w, fetch.ref, e.code == int(WireErrc::kNotHeld) ? WireErrc::kNotHeld : WireErrc::kUnreachable,
+                  "fetching tensor " + std::to_string(ref.slot) + " from " + address + ": " + e.message);
+    }
+    if (m.type != wire::MsgType::kFetched || m.tensors.size() != 1)
+      throw WireError(WireErrc::kBadTensor, std::string("answered ") + wire::msg_type_name(m.type) + " to a FETCH");
+    if (!wire::same_tensor(m.tensors[0].desc, ref.desc))
+      throw WireError(WireErrc::kBadTensor, "not the tensor referenced (" + std::to_string(m.tensors[0].desc.nbytes) + " bytes, checksum " +
+                                                std::to_string(m.tensors[0].desc.checksum) + ")");
+    fetch_bytes += m.tensors[0].desc.wire_bytes();
+    w.fetched[ref.slot] += int64_t(m.tensors[0].desc.wire_bytes());
+    w.got[fetch.ref] = std::move(m.tensors[0]);
+    w.missing--;
+  } catch (const InputError& e) {
+    // Damaged or not what was asked for: the holder's doing, as far as this peer can tell.
+    msg::Error err;
+    err.code = int32_t(WireErrc::kBadTensor);
+    err.name = wire_errc_name(WireErrc::kBadTensor);
+    err.message = "tensor " + std::to_string(ref.slot) + " fetched from " + address + " is bad: " + e.what();
+    err.request_type = int32_t(w.msg.type);
+    err.tensor = int32_t(ref.slot);
+    if (!w.error) w.error = msg::make(err, w.msg.id, w.msg.attempt);
+  }
+}
+
+std::vector<PeerLink::Resolved> PeerLink::take(double now) {
+  std::vector<Resolved> out;
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    Waiting& w = it->second;
+    if (!w.error && w.missing > 0 && now > w.deadline) {
+      for (size_t i = 0; i < w.got.size(); ++i)
+        if (!w.got[i]) {
+          fail(w, i, WireErrc::kUnreachable,
+               "could not fetch tensor " + std::to_string(w.msg.refs[i].slot) + " from " + w.msg.refs[i].from + " within " +
+                   std::to_string(int(fetch_timeout_s_)) + " s");
+          break;
+        }
+      // A holder that did not answer: its queued FETCHes go with its socket.
+      for (size_t i = 0; i < w.got.size(); ++i)
+        if (!w.got[i]) dialers_.erase(w.msg.refs[i].from);
+    }
+    if (!w.error && w.missing > 0) {
+      ++it;
+      continue;
+    }
+    Resolved r;
+    r.seq = w.seq;
+    r.fetched = std::move(w.fetched);
+    if (!w.error) {
+      std::vector<wire::Tensor> got;
+      for (auto& t : w.got) got.push_back(std::move(*t));
+      // Copies of what came from elsewhere, for a BACKWARD that comes back here.
+      for (size_t i = 0; i < w.msg.refs.size(); ++i)
+        if (r.fetched[w.msg.refs[i].slot] > 0) holdings_.put(w.msg.refs[i].key, w.msg.refs[i].part, wire::share(got[i]), true, now);
+      wire::resolve(w.msg, std::move(got));  // every tensor was checked against its reference on arrival
+    }
+    // Fetches still out for a failed request are forgotten; their replies are dropped.
+    for (auto f = fetching_.begin(); f != fetching_.end();) f = f->second.request == it->first ? fetching_.erase(f) : std::next(f);
+    if (w.error) r.error = std::move(w.error);
+    else r.msg = std::move(w.msg);
+    out.push_back(std::move(r));
+    it = waiting_.erase(it);
+  }
+  return out;
+}
+
+}  // namespace swarm

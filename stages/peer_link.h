@@ -1,0 +1,107 @@
+// peer_link.h: a stage server's connections to other stage servers (peer-to-peer hops).
+//
+// Defines swarm::PeerLink. With `--listen`, a ROUTER socket answers FETCH {key, part} from
+// other peers out of the server's Holdings (FETCHED with the tensor, or ERROR not_held). For a
+// request from the router that names tensors held elsewhere (wire::TensorRef), `resolve` finds
+// each one in the Holdings (a tensor this peer made or fetched before) or sends FETCH to its
+// holder over a DEALER socket per holder address, opened on first use and closed after a minute
+// unused; once every reference arrived the request is whole (wire::resolve) and goes to the
+// compute thread. A reference that does not arrive within the fetch timeout, or that its holder
+// no longer has, fails the request with ERROR unreachable / not_held naming the tensor; a
+// fetched tensor that is not the one referenced fails it with ERROR bad_tensor (its maker may be
+// lying: the router asks for a second opinion). The I/O thread owns it; torch-free.
+// Protocol: docs/protocol.md, "Peer to peer".
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <zmq.hpp>
+
+#include "runtime/wire.h"
+#include "stages/holdings.h"
+
+namespace swarm {
+
+class PeerLink {
+ public:
+  // listen: "" (no connections taken: this peer is relayed) or a ZeroMQ endpoint to bind
+  // (tcp://0.0.0.0:PORT, tcp://127.0.0.1:*); advertise: the address others dial ("": the bound
+  // endpoint, which must then not be a wildcard address). Throws InputError saying what to fix.
+  PeerLink(zmq::context_t& ctx, const std::string& listen, const std::string& advertise, Holdings& holdings,
+           double fetch_timeout_s);
+  ~PeerLink();
+  PeerLink(const PeerLink&) = delete;
+  PeerLink& operator=(const PeerLink&) = delete;
+
+  // What HELLO says others should dial ("" when not listening).
+  const std::string& address() const { return address_; }
+
+  // The sockets to poll, appended to `items`; `ready` is called with the same items after the poll.
+  void add_poll_items(std::vector<zmq::pollitem_t>& items);
+  void ready(const std::vector<zmq::pollitem_t>& items, size_t first, double now);
+
+  // A request from the router with references: resolved here, then returned by `take`.
+  void resolve(wire::Message m, uint64_t seq, double now);
+
+  struct Resolved {
+    wire::Message msg;                 // the request, whole (when error is unset)
+    uint64_t seq = 0;
+    std::vector<int64_t> fetched;      // bytes fetched from other peers, per request tensor
+    std::optional<wire::Message> error;  // else: the ERROR to send the router instead
+  };
+  // Requests resolved (or failed, timeouts included) since the last call.
+  std::vector<Resolved> take(double now);
+  size_t waiting() const { return waiting_.size(); }
+
+  // The answer to a FETCH (from a peer, or the router relaying): FETCHED with a share of the
+  // tensor, or ERROR not_held.
+  wire::Message serve(const wire::Message& fetch);
+
+  // Whether the outgoing path is cut (a partition fault): nothing served, nothing fetched.
+  void set_cut(bool cut) { cut_ = cut; }
+
+  uint64_t fetches = 0, fetch_bytes = 0, served = 0, served_bytes = 0;   // counters for the log
+
+ private:
+  struct Dialer {
+    std::unique_ptr<zmq::socket_t> sock;
+    double last_used = 0;
+  };
+  struct Waiting {
+    wire::Message msg;
+    uint64_t seq = 0;
+    std::vector<std::optional<wire::Tensor>> got;   // per reference
+    std::vector<int64_t> fetched;                   // per request tensor
+    size_t missing = 0;
+    double deadline = 0;
+    std::optional<wire::Message> error;
+  };
+  struct Fetching {
+    uint64_t request = 0;   // the waiting request (its key in waiting_)
+    size_t ref = 0;         // which of its references
+    std::string address;
+  };
+  Dialer& dialer(const std::string& address, double now);
+  void fail(Waiting& w, size_t ref, WireErrc code, const std::string& why);
+  void on_fetch_reply(wire::Received& r, const std::string& address);
+
+  zmq::context_t& ctx_;
+  std::unique_ptr<zmq::socket_t> listen_;
+  std::string address_;
+  Holdings& holdings_;
+  double fetch_timeout_s_;
+  bool cut_ = false;
+  std::map<std::string, Dialer> dialers_;
+  std::vector<std::string> polled_;            // dialer addresses in the order add_poll_items listed them
+  std::map<uint64_t, Waiting> waiting_;        // by arrival number
+  uint64_t next_waiting_ = 1;
+  std::map<uint64_t, Fetching> fetching_;      // by FETCH id
+  uint64_t next_fetch_ = 1;
+};
+
+}  // namespace swarm

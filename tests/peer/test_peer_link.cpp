@@ -1,0 +1,199 @@
+// test_peer_link.cpp: the stage server's peer-to-peer side over real loopback sockets: a peer
+// fetching what another holds, what is not held, a holder that never answers, a holder that
+// serves something else than it referenced, the holdings' bounds and their zero-copy shares.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "runtime/messages.h"
+#include "stages/holdings.h"
+#include "stages/peer_link.h"
+
+namespace swarm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+wire::Tensor floats(size_t n, float v) {
+  wire::Tensor t = wire::make_tensor(wire::DType::kF32, {int64_t(n)}, compression::CodecSpec{}, n * 4);
+  auto* p = static_cast<float*>(t.data.data());
+  for (size_t i = 0; i < n; ++i) p[i] = v + float(i);
+  wire::seal(t);
+  return t;
+}
+
+// A BACKWARD whose two tensors are held elsewhere.
+wire::Message request_with_refs(const std::string& from, const wire::TensorDesc& a, const wire::TensorDesc& b) {
+  msg::Hop h;
+  h.job_id = 1;
+  h.mb = 3;
+  h.stage = 1;
+  wire::Message m = msg::make(wire::MsgType::kBackward, h, 77, 2);
+  wire::TensorRef r0;
+  r0.slot = 0;
+  r0.from = from;
+  r0.key = 10;
+  r0.desc = a;
+  wire::TensorRef r1 = r0;
+  r1.slot = 1;
+  r1.key = 11;
+  r1.desc = b;
+  m.refs = {r0, r1};
+  return m;
+}
+
+// Polls both links until `link` has resolved something (or 5 s pass).
+std::vector<PeerLink::Resolved> pump(PeerLink& holder, PeerLink& link, double seconds = 5) {
+  const auto t0 = Clock::now();
+  for (;;) {
+    const double now = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::vector<zmq::pollitem_t> items;
+    holder.add_poll_items(items);
+    const size_t mine = items.size();
+    link.add_poll_items(items);
+    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(5));
+    holder.ready(items, 0, now);
+    link.ready(items, mine, now);
+    auto out = link.take(now);
+    if (!out.empty() || now > seconds) return out;
+  }
+}
+
+msg::Error error_of(const PeerLink::Resolved& r) {
+  EXPECT_TRUE(r.error.has_value());
+  return msg::read<msg::Error>(*r.error);
+}
+
+struct Pair {
+  zmq::context_t ctx{1};
+  Holdings held{1 << 20, 600, 60}, mine{1 << 20, 600, 60};
+  PeerLink holder{ctx, "tcp://127.0.0.1:*", "", held, 1.0};
+  PeerLink link{ctx, "", "", mine, 1.0};
+};
+
+TEST(PeerLink, ARequestIsWholeOnceEveryReferenceIsFetchedFromItsHolder) {
+  Pair p;
+  wire::Tensor a = floats(1000, 1), b = floats(500, 2);
+  const wire::TensorDesc da = a.desc, db = b.desc;
+  p.held.put(10, 0, std::move(a), false, 0);
+  p.held.put(11, 0, std::move(b), false, 0);
+  ASSERT_FALSE(p.holder.address().empty());
+  p.link.resolve(request_with_refs(p.holder.address(), da, db), 5, 0);
+  auto out = pump(p.holder, p.link);
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_FALSE(out[0].error) << msg::read<msg::Error>(*out[0].error).message;
+  const wire::Message& m = out[0].msg;
+  EXPECT_EQ(m.id, 77u);
+  EXPECT_EQ(m.attempt, 2u);
+  EXPECT_EQ(out[0].seq, 5u);
+  ASSERT_EQ(m.tensors.size(), 2u);
+  EXPECT_TRUE(m.refs.empty());
+  EXPECT_TRUE(wire::same_tensor(m.tensors[0].desc, da));
+  EXPECT_TRUE(wire::same_tensor(m.tensors[1].desc, db));
+  EXPECT_EQ(static_cast<const float*>(m.tensors[1].data.data())[499], 2.f + 499);
+  EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{4000, 2000}));
+  // A copy stays: the BACKWARD that comes back needs no second fetch.
+  EXPECT_TRUE(p.mine.get(10, 0).has_value());
+  p.link.resolve(request_with_refs(p.holder.address(), da, db), 6, 0);
+  out = p.link.take(0);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{0, 0}));
+}
+
+TEST(PeerLink, ATensorItsHolderNoLongerHasFailsTheRequestNamingTheTensor) {
+  Pair p;
+  wire::Tensor a = floats(100, 1), b = floats(100, 2);
+  const wire::TensorDesc da = a.desc, db = b.desc;
+  p.held.put(10, 0, std::move(a), false, 0);
+  p.held.put(11, 0, std::move(b), false, 0);
+  p.held.release(11);
+  p.link.resolve(request_with_refs(p.holder.address(), da, db), 1, 0);
+  auto out = pump(p.holder, p.link);
+  ASSERT_EQ(out.size(), 1u);
+  const msg::Error e = error_of(out[0]);
+  EXPECT_EQ(e.code, int(WireErrc::kNotHeld));
+  EXPECT_EQ(e.tensor.value_or(-1), 1);
+  EXPECT_EQ(out[0].error->id, 77u);
+}
+
+TEST(PeerLink, AHolderThatNeverAnswersFailsTheRequestAsUnreachableAfterTheTimeout) {
+  Pair p;
+  // Nobody listens at this address: the FETCH waits in its queue until the timeout.
+  zmq::socket_t probe(p.ctx, zmq::socket_type::router);
+  probe.bind("tcp://127.0.0.1:*");
+  const std::string nobody = probe.get(zmq::sockopt::last_endpoint);
+  probe.close();
+  const wire::TensorDesc d = floats(10, 0).desc;
+  p.link.resolve(request_with_refs(nobody, d, d), 1, 0);
+  auto out = pump(p.holder, p.link, 3);
+  ASSERT_EQ(out.size(), 1u);
+  const msg::Error e = error_of(out[0]);
+  EXPECT_EQ(e.code, int(WireErrc::kUnreachable));
+  EXPECT_EQ(e.tensor.value_or(-1), 0);
+  EXPECT_NE(e.message.find(nobody), std::string::npos) << e.message;
+}
+
+TEST(PeerLink, ATensorThatIsNotTheOneReferencedIsABadTensorOfItsMaker) {
+  Pair p;
+  wire::Tensor a = floats(100, 1), b = floats(100, 2);
+  wire::TensorDesc claimed = a.desc;
+  claimed.checksum ^= 1;  // what the holder told the router it made
+  const wire::TensorDesc db = b.desc;
+  p.held.put(10, 0, std::move(a), false, 0);
+  p.held.put(11, 0, std::move(b), false, 0);
+  p.link.resolve(request_with_refs(p.holder.address(), claimed, db), 1, 0);
+  auto out = pump(p.holder, p.link);
+  ASSERT_EQ(out.size(), 1u);
+  const msg::Error e = error_of(out[0]);
+  EXPECT_EQ(e.code, int(WireErrc::kBadTensor));
+  EXPECT_EQ(e.tensor.value_or(-1), 0);
+}
+
+TEST(PeerLink, AWildcardListenAddressNeedsAnAdvertisedOne) {
+  zmq::context_t ctx(1);
+  Holdings h(1 << 20, 600, 60);
+  try {
+    PeerLink link(ctx, "tcp://0.0.0.0:*", "", h, 1.0);
+    FAIL() << "a wildcard bind without --advertise was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--advertise"), std::string::npos) << e.what();
+  }
+  PeerLink ok(ctx, "tcp://0.0.0.0:*", "tcp://10.1.2.3:7000", h, 1.0);
+  EXPECT_EQ(ok.address(), "tcp://10.1.2.3:7000");
+}
+
+TEST(Holdings, CopiesGoFirstThenTheOldestWhenFullAndEverythingExpires) {
+  Holdings h(10 * 400, /*held_ttl_s=*/100, /*copy_ttl_s=*/10);
+  for (uint64_t k = 1; k <= 8; ++k) h.put(k, 0, floats(100, float(k)), false, double(k));
+  h.put(20, 0, floats(100, 0), true, 9);
+  h.put(21, 0, floats(100, 0), true, 9.5);
+  EXPECT_EQ(h.size(), 10u);
+  h.put(9, 0, floats(100, 9), false, 10);  // full: the older copy goes
+  EXPECT_FALSE(h.get(20, 0));
+  EXPECT_TRUE(h.get(21, 0));
+  h.put(10, 0, floats(100, 9), false, 11);  // then the other copy
+  h.put(12, 0, floats(100, 9), false, 12);  // then the oldest held one
+  EXPECT_FALSE(h.get(21, 0));
+  EXPECT_FALSE(h.get(1, 0));
+  EXPECT_TRUE(h.get(2, 0));
+  EXPECT_EQ(h.evicted(), 3u);
+  EXPECT_LE(h.bytes(), 10u * 400);
+  h.expire(105);  // held entries older than 100 s
+  EXPECT_FALSE(h.get(4, 0));
+  EXPECT_TRUE(h.get(5, 0));
+  h.release(5);
+  EXPECT_FALSE(h.get(5, 0));
+}
+
+TEST(Holdings, AShareIsZeroCopy) {
+  Holdings h(1 << 20, 100, 10);
+  h.put(1, 0, floats(1000, 3), false, 0);
+  auto a = h.get(1, 0), b = h.get(1, 0);
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(a->data.data(), b->data.data());
+}
+
+}  // namespace
+}  // namespace swarm
