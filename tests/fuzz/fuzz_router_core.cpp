@@ -51,7 +51,8 @@ class Input {
 const MsgType kTypes[] = {MsgType::kHello,       MsgType::kHeartbeat,   MsgType::kBye,        MsgType::kError,
                           MsgType::kStageReady,  MsgType::kResult,      MsgType::kRoundDelta, MsgType::kRoundReduced,
                           MsgType::kRoundDone,   MsgType::kStateReply,  MsgType::kSubmit,     MsgType::kStatus,
-                          MsgType::kCancel,      MsgType::kPeers,       MsgType::kChaos,      MsgType::kForward};
+                          MsgType::kCancel,      MsgType::kPeers,       MsgType::kChaos,      MsgType::kForward,
+                          MsgType::kFetched,     MsgType::kRelease,     MsgType::kFetch};
 
 // A small job spec the fake peers can run, varied by one byte.
 json spec_of(uint8_t b) {
@@ -59,6 +60,7 @@ json spec_of(uint8_t b) {
   if (b & 0x40) s["schedule"] = "async";
   if (b & 0x80) s["diloco"] = {{"inner_steps", 2}, {"deadline_s", 2}, {"streaming", {{"fragments", 2}, {"overlap_steps", 0}}}};
   if ((b & 0x30) == 0x30) s["checkpoint"] = {{"dir", "/ck"}, {"every_steps", 1}};
+  if (b % 7 == 3) s["routing"]["hops"] = "hub";
   return s;
 }
 
@@ -92,13 +94,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const router::PeerId who = peers.empty() ? router::PeerId("p-nobody") : peers[w % peers.size()];
     switch (op % 12) {
       case 0: f.run(0.025 * (1 + in.byte() % 64)); break;                  // time passes: up to 1.6 s
-      case 1: peers.push_back(f.join("s" + std::to_string(peers.size()), int(in.byte() % 5) - 1)); break;
+      case 1: {  // a peer joins; with the high bit it takes fetches (peer to peer)
+        const uint8_t b = in.byte();
+        f.peers_listen = b & 0x80;
+        peers.push_back(f.join("s" + std::to_string(peers.size()), int(b % 5) - 1));
+        break;
+      }
       case 2: f.submit(client, spec_of(in.byte())); break;
       case 3:
         if (f.peers.count(who)) f.kill(who);
         break;
-      case 4:
-        if (f.peers.count(who)) f.peers.at(who).silent = !f.peers.at(who).silent;
+      case 4:  // silent, or (high bit) unreachable for other peers' fetches
+        if (f.peers.count(who) && (w & 0x80)) f.peers.at(who).unreachable = !f.peers.at(who).unreachable;
+        else if (f.peers.count(who)) f.peers.at(who).silent = !f.peers.at(who).silent;
         break;
       case 5:
         if (f.peers.count(who)) f.peers.at(who).wrong_shape = {2, 8, int64_t(in.byte() % 20)};
@@ -137,12 +145,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         r.loss = double(in.byte());
         r.samples = in.byte();
         wire::Message m = msg::make(r, id);
-        if (in.byte() & 1) {
+        const uint8_t how = in.byte();
+        if (how & 1) {
           const int64_t d = 1 + in.byte() % 32;
           wire::Tensor t = wire::make_tensor(wire::DType::kF32, {2, 8, d}, compression::CodecSpec{}, size_t(2 * 8 * d * 4));
           std::memset(t.data.data(), 0, t.data.size());
           wire::seal(t);
-          m.tensors.push_back(std::move(t));
+          if (how & 2) {
+            // A reference instead: to this request (or another), from itself (or elsewhere).
+            wire::TensorRef ref;
+            ref.key = (how & 4) ? id : id + 1;
+            ref.part = (how >> 3) & 1;
+            ref.from = (how & 16) ? "tcp://elsewhere:1" : "";
+            ref.desc = t.desc;
+            m.refs.push_back(std::move(ref));
+          } else {
+            m.tensors.push_back(std::move(t));
+          }
         }
         f.deliver(who, std::move(m));
         break;

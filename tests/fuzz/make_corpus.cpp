@@ -167,6 +167,31 @@ void wire_seeds() {
   wire_seed("seed-peers-reply", wire::json_message(MsgType::kPeersReply, 5, 0,
       json{{"peers", json::array({json{{"id", "p-0123456789ab"}, {"name", "stage1-0"}, {"stage", 1}, {"device", "cpu"},
                                       {"ms_per_unit", 3.25}, {"results", 40}, {"failures", 0}, {"banned_s", 0.0}}})}}));
+  // Peer to peer: a hop whose tensors are held elsewhere, asked to hold its own; a reply that
+  // holds; FETCH, FETCHED, RELEASE.
+  {
+    auto ref = [](uint32_t slot, const std::string& from, uint64_t key, const wire::Tensor& t) {
+      wire::TensorRef r;
+      r.slot = slot;
+      r.from = from;
+      r.key = key;
+      r.desc = t.desc;
+      return r;
+    };
+    Message bw = with(wire::json_message(MsgType::kBackward, 40, 0, hop), ints<int32_t>(DType::kI32, {2, 8}, 256));
+    bw.refs.push_back(ref(1, "tcp://10.0.0.7:6000", 38, f32("int8:block=64", {2, 8, 16})));
+    bw.hold = true;
+    wire_seed("seed-backward-refs-hold", std::move(bw));
+    Message fw = msg::make(MsgType::kForward, msg::Hop{}, 41);
+    fw.refs.push_back(ref(0, "tcp://[::1]:6001", 40, f32("fp32:entropy=zstd", {2, 8, 16})));
+    wire_seed("seed-forward-ref-zstd", std::move(fw));
+    Message held = wire::json_message(MsgType::kResult, 41, 0, json{{"mb", 3}, {"stage", 1}, {"fetched", {2048, 0}}});
+    held.refs.push_back(ref(0, "", 41, f32("fp32", {2, 8, 16})));
+    wire_seed("seed-result-held", std::move(held));
+    wire_seed("seed-fetch", wire::json_message(MsgType::kFetch, 7, 0, json{{"key", 41}, {"part", 0}}));
+    wire_seed("seed-fetched", with(wire::json_message(MsgType::kFetched, 7, 0, json{{"key", 41}, {"part", 0}}), f32("bf16", {2, 8, 16})));
+    wire_seed("seed-release", wire::json_message(MsgType::kRelease, 0, 0, json{{"keys", {38, 40, 41}}}));
+  }
   wire_seed("seed-chaos", wire::json_message(MsgType::kChaos, 6, 0, json{{"peer", "stage2-1"}, {"fault", "slow,factor=4"}}));
   wire_seed("seed-chaos-reply", wire::json_message(MsgType::kChaosReply, 6, 0, json{{"peer", "p-0123456789ab"}, {"name", "stage2-1"}, {"fault", "slow,factor=4"}}));
 
@@ -244,6 +269,14 @@ void router_seeds() {
   router_seed("seed-garbage", cat(cat(swarm, {kRun, 0, 100, kBody, 0, 5, 1, 3, 0x81, 0xa1, 0x78, kBody, 1, 1, 1, 2, 0x81, 0xc0,
                                               kResult, 2, 0, 200, 8, 1, 7, kFrames, 0, 4, 'S', 'W', 'R', 'M', 1,
                                               kClient, 0, 1, kClient, 0, 2}), run(10)));
+  // Peer to peer: peers that take fetches (join operand's high bit; 0x83: stage 0, 0x84: stage 1).
+  const std::vector<uint8_t> p2p = {kJoin, 0, 0x83, kJoin, 0, 0x83, kJoin, 0, 0x84, kJoin, 0, 0x84, kSubmit, 0, 4};
+  router_seed("seed-p2p-job-to-the-end", cat(p2p, run(12)));
+  router_seed("seed-p2p-holder-killed", cat(cat(cat(p2p, run(1)), {kKill, 2}), run(14)));
+  // Peer 0 unreachable for the others (silence operand's high bit): its tensors are relayed.
+  router_seed("seed-p2p-unreachable", cat(cat(p2p, {kSilence, 0x80}), run(20)));
+  // A result answered with a reference to another request, from elsewhere (how = 1 | 2 | 16).
+  router_seed("seed-p2p-lying-reference", cat(cat(cat(p2p, run(1)), {kResult, 0, 10, 2, 2, 0x13, 15}), run(12)));
 }
 
 void spec_seed(const std::string& name, const json& j) {
