@@ -2,6 +2,7 @@
 #include "tools/local_swarm.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include <fcntl.h>
 #include <signal.h>
@@ -128,11 +129,15 @@ void LocalSwarm::restart_stage(size_t i) {
     argv.push_back(std::to_string(p.stage));
   }
   argv.insert(argv.end(), p.extra_args.begin(), p.extra_args.end());
-  // Peer to peer on loopback: each stage server takes other peers' fetches on a port of its own.
+  // Peer to peer on loopback: each stage server takes other peers' fetches on a port of its own
+  // (SWARM_LOCAL_HOPS=hub: none does, so every tensor goes through the router, as under
+  // routing.hops "hub"; the tests run the fault scenarios both ways).
+  const char* hops_env = std::getenv("SWARM_LOCAL_HOPS");
+  const bool hub = hops_env && std::string(hops_env) == "hub";
   const bool own_listen = std::find(p.extra_args.begin(), p.extra_args.end(), "--listen") != p.extra_args.end() ||
                           std::find(p.extra_args.begin(), p.extra_args.end(), "--no-listen") != p.extra_args.end();
   const bool echo = std::find(p.extra_args.begin(), p.extra_args.end(), "--echo") != p.extra_args.end();
-  if (!own_listen && !echo) {
+  if (!own_listen && !echo && !hub) {
     argv.push_back("--listen");
     argv.push_back("tcp://127.0.0.1:*");
   }

@@ -1,0 +1,115 @@
+// test_p2p.cpp: peer-to-peer hops on real processes over loopback: the router carries no
+// activation, a holder killed mid-run has its tensors made again, a peer others cannot reach
+// is relayed, and peer to peer trains exactly what the hub does.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+
+#include <chrono>
+#include <thread>
+
+#include "runtime/client.h"
+#include "tests/integration/swarm_test_util.h"
+#include "tools/local_swarm.h"
+
+using namespace swarm;
+using namespace swarm::testing;
+using nlohmann::json;
+
+namespace {
+
+// Follows a job, calling `during` with each status; returns the final status.
+json follow(Client& c, uint64_t id, const std::function<void(const json&)>& during = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    json st = c.request_body(wire::MsgType::kStatus, json{{"job_id", id}});
+    if (during) during(st);
+    const std::string state = st["state"];
+    if (state == "done" || state == "failed") return st;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > 240) return st;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+}  // namespace
+
+TEST(P2p, TheRouterCarriesNoActivationAndTrainsWhatTheHubTrains) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json spec = tiny_job(data, 3, 12, "sync");
+  json hub = spec;
+  hub["routing"] = {{"hops", "hub"}};
+  json a, b;
+  {
+    LocalSwarm swarm(dir, kBuild);
+    swarm.start_router();
+    for (int s = 0; s < 3; ++s) swarm.start_stage(s, "s" + std::to_string(s), 1);
+    Client c(swarm.router_endpoint());
+    wait_for_peers(c, 3);
+    a = follow(c, submit(c, spec));
+    b = follow(c, submit(c, hub));
+  }
+  ASSERT_EQ(a["state"], "done") << a.dump();
+  ASSERT_EQ(b["state"], "done") << b.dump();
+  EXPECT_EQ(a["hops"]["mode"], "p2p");
+  EXPECT_EQ(a["hops"]["bytes_through_router"], 0) << a["hops"].dump();
+  EXPECT_GT(b["hops"]["bytes_through_router"].get<uint64_t>(), 0u);
+  // One peer per stage under sync: both transports compute the same thing, bit for bit.
+  EXPECT_EQ(train_losses(a), train_losses(b));
+  // Peer to peer a backward runs where its forward ran and fetches nothing for its input: fewer
+  // activation bytes move than through the hub, the same gradient bytes.
+  EXPECT_LT(a["wire_bytes"]["activations"].get<double>(), b["wire_bytes"]["activations"].get<double>());
+  EXPECT_EQ(a["wire_bytes"]["gradients"], b["wire_bytes"]["gradients"]);
+}
+
+TEST(P2p, AHolderKilledMidRunHasItsTensorsMadeAgainAndNothingIsLost) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json st;
+  bool killed = false;
+  {
+    LocalSwarm swarm(dir, kBuild);
+    swarm.start_router();
+    for (int s = 0; s < 3; ++s)
+      for (int i = 0; i < 2; ++i) swarm.start_stage(s, "s" + std::to_string(s) + "-" + std::to_string(i), 1);
+    Client c(swarm.router_endpoint());
+    wait_for_peers(c, 6);
+    st = follow(c, submit(c, tiny_job(data, 3, 40, "async")), [&](const json& s) {
+      if (!killed && s.value("step", 0) >= 8) {
+        swarm.kill_stage(3, SIGKILL);  // s1-1: it holds activations and gradients in flight
+        killed = true;
+      }
+    });
+  }
+  ASSERT_TRUE(killed);
+  ASSERT_EQ(st["state"], "done") << st.dump();
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_EQ(st["microbatches"]["completed"], 40 * 4);
+  EXPECT_EQ(st["hops"]["bytes_through_router"], 0) << st["hops"].dump();
+  EXPECT_LT(st["val_loss"].get<double>(), st["unigram_loss"].get<double>());
+}
+
+TEST(P2p, APeerOthersCannotReachIsRelayedThroughTheRouter) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json st, peers;
+  {
+    LocalSwarm swarm(dir, kBuild);
+    swarm.start_router();
+    swarm.start_stage(0, "s0", 1);
+    // It listens, but tells others an address where nobody does: every fetch from it fails.
+    swarm.start_stage(1, "s1", 1, {"--listen", "tcp://127.0.0.1:*", "--advertise", "tcp://127.0.0.1:9", "--fetch-timeout-s", "1"});
+    swarm.start_stage(2, "s2", 1, {"--fetch-timeout-s", "1"});
+    swarm.start_stage(2, "s2b", 1, {"--fetch-timeout-s", "1"});
+    Client c(swarm.router_endpoint());
+    wait_for_peers(c, 4);
+    st = follow(c, submit(c, tiny_job(data, 3, 10, "sync")));
+    peers = c.peers()["peers"];
+  }
+  ASSERT_EQ(st["state"], "done") << st.dump();
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_GT(st["hops"]["fetch_failures"].get<uint64_t>(), 0u) << st["hops"].dump();
+  EXPECT_GT(st["hops"]["relayed_by_router"].get<uint64_t>(), 0u) << st["hops"].dump();
+  EXPECT_GT(st["hops"]["bytes_through_router"].get<uint64_t>(), 0u) << st["hops"].dump();
+  for (const auto& p : peers) EXPECT_EQ(p["relayed"].get<bool>(), p["name"] == "s1") << p.dump();
+}
