@@ -14,16 +14,18 @@ namespace swarm::router {
 
 using wire::MsgType;
 
-void RouterCore::Impl::on_submit(Ctx& c, const PeerId& from, const wire::Message& m) {
+void RouterCore::Impl::on_submit(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who) {
   const msg::Submit s = msg::read<msg::Submit>(m);
   if (jobs.size() >= limits::kMaxJobs) {
     auto it = std::find_if(jobs.begin(), jobs.end(), [](const auto& j) { return job_finished(j->state()); });
     if (it == jobs.end())
       return reply_error(c, from, &m, WireErrc::kTooLarge, "the router holds " + std::to_string(jobs.size()) + " unfinished jobs, its limit");
+    owners.erase((*it)->id());
     jobs.erase(it);
   }
   if (s.bench_transport) {
     const msg::BenchTransport t = s.bench();
+    owners[next_job_id] = who.key;
     jobs.push_back(std::make_unique<EchoJob>(next_job_id++, t));
     msg::Submitted ok;
     ok.job_id = jobs.back()->id();
@@ -44,7 +46,8 @@ void RouterCore::Impl::on_submit(Ctx& c, const PeerId& from, const wire::Message
     return c.send(from, msg::make(err, m.id, m.attempt));
   }
   const uint64_t id = next_job_id++;
-  queue_load(c, id, std::move(spec), Submitter{from, m.id, m.attempt, s.resume}, "");
+  owners[id] = who.key;
+  queue_load(c, id, std::move(spec), Submitter{from, m.id, m.attempt, s.resume, who.remote}, "");
 }
 
 // A job is created now (its id fixes its place in the queue) and runs once its data is loaded.
@@ -56,7 +59,7 @@ void RouterCore::Impl::queue_load(Ctx& c, uint64_t id, JobSpec spec, Submitter w
     if (d.checkpoint_dir.empty()) d.checkpoint_dir = d.job_dir + "/checkpoints";
   }
   if (!checkpoint_dir.empty()) d.checkpoint_dir = checkpoint_dir;
-  LoadJob load{id, std::move(spec), who.resume, who.resume.empty() && who.client.empty() ? d.checkpoint_dir : ""};
+  LoadJob load{id, std::move(spec), who.resume, who.resume.empty() && who.client.empty() ? d.checkpoint_dir : "", who.remote};
   loading[id] = std::move(who);
   jobs.push_back(std::move(job));
   c.out.push_back(std::move(load));
@@ -80,6 +83,7 @@ void RouterCore::Impl::on_loaded(Ctx& c, JobLoaded r) {
       job->durability().checkpoint_dir = std::filesystem::path(r.checkpoint->path).parent_path().string();
   }
   if (!r.error.empty() || !r.data) {
+    owners.erase(r.job);
     jobs.erase(jt);
     if (who.client.empty()) {
       c.log(LogLevel::kError, "job " + std::to_string(r.job) + " in the state dir cannot continue: " + r.error);
@@ -111,18 +115,28 @@ nlohmann::json RouterCore::Impl::status_of(const Job* j, double now) const {
   return body;
 }
 
-void RouterCore::Impl::on_status(Ctx& c, const PeerId& from, const wire::Message& m) {
+void RouterCore::Impl::on_status(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who) {
   const msg::Status s = msg::read<msg::Status>(m);
-  Job* j = s.job_id ? find_job(*s.job_id) : (jobs.empty() ? nullptr : jobs.back().get());
+  Job* j = nullptr;
+  if (s.job_id) {
+    j = find_job(*s.job_id);
+  } else {
+    for (auto it = jobs.rbegin(); it != jobs.rend() && !j; ++it)  // the newest job it may see
+      if (owns(who, (*it)->id())) j = it->get();
+  }
   if (s.job_id && !j) return reply_error(c, from, &m, WireErrc::kMalformed, "no job " + std::to_string(*s.job_id) + " on this router");
+  if (j && !owns(who, j->id()))
+    return bad(c, from, &m, WireErrc::kForbidden, "job " + std::to_string(j->id()) + " belongs to another client; seeing it needs the role admin");
   c.send(from, wire::json_message(MsgType::kStatusReply, m.id, m.attempt, status_of(j, c.now)));
 }
 
-void RouterCore::Impl::on_cancel(Ctx& c, const PeerId& from, const wire::Message& m) {
+void RouterCore::Impl::on_cancel(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who) {
   const msg::Cancel cl = msg::read<msg::Cancel>(m);
   Job* j = find_job(cl.job_id);
   if (!j) return reply_error(c, from, &m, WireErrc::kMalformed, "no job " + std::to_string(cl.job_id) + " on this router");
-  if (!job_finished(j->state())) end_job(c, *j, JobState::kCancelled, "cancelled by a client");
+  if (!owns(who, j->id()))
+    return bad(c, from, &m, WireErrc::kForbidden, "job " + std::to_string(j->id()) + " belongs to another client; cancelling it needs the role admin");
+  if (!job_finished(j->state())) end_job(c, *j, JobState::kCancelled, "cancelled by " + (who.authenticated ? who.name : std::string("a client")));
   c.send(from, wire::json_message(MsgType::kStatusReply, m.id, m.attempt, status_of(j, c.now)));
 }
 

@@ -49,6 +49,7 @@ void Ctx::attach(wire::Message& m, Slot& s, uint32_t index) const {
   wire::TensorRef r;
   r.slot = index;
   r.from = holder ? holder->hello.listen : std::string();
+  r.from_key = holder ? holder->key : std::string();
   r.key = s.held->key;
   r.part = s.held->part;
   r.desc = s.held->desc;
@@ -110,6 +111,7 @@ void RouterCore::Impl::peer_dead(Ctx& c, const PeerId& id, const std::string& wh
   c.warn("peer " + p->hello.name + " (" + id + ") is gone: " + why);
   const Peer gone = *p;
   peers.remove(id);
+  withdraw_key(c, gone);
   // Every request it held is re-sent elsewhere.
   for (uint64_t rid : requests.of_peer(id)) {
     std::optional<Pending> pd = c.take(rid);
@@ -119,25 +121,37 @@ void RouterCore::Impl::peer_dead(Ctx& c, const PeerId& id, const std::string& wh
     if (j->active()) j->on_peer_gone(c, gone);
 }
 
-void RouterCore::Impl::on_hello(Ctx& c, const PeerId& from, const wire::Message& m) {
+void RouterCore::Impl::on_hello(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who) {
   const msg::Hello h = msg::read<msg::Hello>(m);
   if (h.version != wire::kVersion)
     return reply_error(c, from, &m, WireErrc::kBadVersion, "HELLO version must be " + std::to_string(wire::kVersion) +
                                                                "; this router speaks protocol v" + std::to_string(wire::kVersion));
+  const std::string as = who.authenticated ? "key " + who.name + " (role " + role_name(who.role) + ")" : std::string();
   if (h.role == msg::Role::kClient) {
+    if (who.authenticated && who.role == Role::kStage)
+      return bad(c, from, &m, WireErrc::kForbidden, as + " may only serve as a stage server; a client needs the role client or admin");
     if (!clients.count(from) && clients.size() >= limits::kMaxClients)
       return reply_error(c, from, &m, WireErrc::kTooLarge, "the router has " + std::to_string(clients.size()) + " client sessions, its limit; try again later");
-    clients[from] = c.now;
+    clients[from] = Session{c.now, who};
     msg::Welcome w;
     w.role = "client";
     w.version = wire::kVersion;
     return c.send(from, msg::make(w, m.id));
+  }
+  if (who.authenticated) {
+    // A stage server's routing id is its key's (runtime/keys.h): nobody registers as, or takes
+    // over, another peer without that peer's secret key.
+    if (who.role == Role::kClient)
+      return bad(c, from, &m, WireErrc::kForbidden, as + " may not serve; a stage server needs the role stage or admin");
+    if (from != routing_id_of(who.key))
+      return bad(c, from, &m, WireErrc::kForbidden, "a stage server's routing id must be " + routing_id_of(who.key) + ", its key's");
   }
   if (peers.find(from)) peer_dead(c, from, "said HELLO again (restarted)");
   if (peers.size() >= opt.max_peers)
     return reply_error(c, from, &m, WireErrc::kTooLarge, "the router has " + std::to_string(peers.size()) + " stage servers, its limit (" +
                                                             std::to_string(opt.max_peers) + "); start another swarm");
   Peer& p = peers.add(from, h, c.now);
+  p.key = who.key;
   msg::Welcome w;
   w.peer_id = from;
   w.heartbeat_ms = opt.heartbeat_ms;
@@ -146,8 +160,50 @@ void RouterCore::Impl::on_hello(Ctx& c, const PeerId& from, const wire::Message&
   c.info("peer " + p.hello.name + " (" + from + ") joined" +
          (h.stage >= 0 ? " asking for stage " + std::to_string(h.stage) : "") +
          (h.stage < 0 && h.prefer_stage >= 0 ? " preferring stage " + std::to_string(h.prefer_stage) : "") +
-         (h.emulate > 1 ? " [emulated " + std::to_string(h.emulate) + "x slower]" : ""));
+         (h.emulate > 1 ? " [emulated " + std::to_string(h.emulate) + "x slower]" : "") + (who.authenticated ? " with " + as : ""));
+  share_keys(c, p);
   if (Job* j = active_job()) j->offer(c, p);
+}
+
+void RouterCore::Impl::share_keys(Ctx& c, const Peer& joined) {
+  if (joined.key.empty()) return;
+  msg::PeerKeys mine;
+  auto flush = [&] {
+    if (mine.add.empty()) return;
+    c.send(joined.id, msg::make(mine));
+    mine.add.clear();
+  };
+  msg::PeerKeys theirs;
+  theirs.add.push_back(joined.key);
+  for (const auto& [id, q] : peers.all()) {
+    if (id == joined.id || q.key.empty()) continue;
+    c.send(id, msg::make(theirs));
+    mine.add.push_back(q.key);
+    if (mine.add.size() == msg::PeerKeys::kMaxKeys) flush();
+  }
+  flush();
+}
+
+void RouterCore::Impl::withdraw_key(Ctx& c, const Peer& gone) {
+  if (gone.key.empty()) return;
+  msg::PeerKeys k;
+  k.remove.push_back(gone.key);
+  for (const auto& [id, q] : peers.all())
+    if (!q.key.empty()) c.send(id, msg::make(k));
+}
+
+bool RouterCore::Impl::permitted(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who, bool client_ok) {
+  if (!who.authenticated || who.role == Role::kAdmin || (client_ok && who.role == Role::kClient)) return true;
+  bad(c, from, &m, WireErrc::kForbidden,
+      std::string(wire::msg_type_name(m.type)) + " needs the role " + (client_ok ? "client or admin" : "admin") + "; key " + who.name +
+          " has the role " + role_name(who.role));
+  return false;
+}
+
+bool RouterCore::Impl::owns(const Identity& who, uint64_t id) const {
+  if (!who.authenticated || who.role == Role::kAdmin) return true;
+  auto it = owners.find(id);
+  return it != owners.end() && it->second == who.key;
 }
 
 void RouterCore::Impl::on_reply(Ctx& c, Peer& p, wire::Message& m) {
@@ -268,17 +324,23 @@ Actions RouterCore::restore(std::vector<StoredJob> stored, double now) {
   return out;
 }
 
-Actions RouterCore::on_message(const PeerId& from, wire::Message m, double now) {
+Actions RouterCore::on_message(const PeerId& from, wire::Message m, double now, const Identity& who) {
   Actions out;
   Ctx c = impl_->ctx(now, out);
   Impl& I = *impl_;
   Peer* p = I.peers.find(from);
-  if (p) I.peers.touch(from, now);
   auto cl = I.clients.find(from);
-  if (cl != I.clients.end()) cl->second = now;
+  // A session belongs to the key that opened it: another key on the same routing id (a
+  // connection that took the id over) is refused and changes nothing.
+  if ((p && p->key != who.key) || (cl != I.clients.end() && cl->second.who.key != who.key)) {
+    I.bad(c, from, &m, WireErrc::kForbidden, "this routing id belongs to another key's session");
+    return out;
+  }
+  if (p) I.peers.touch(from, now);
+  if (cl != I.clients.end()) cl->second.last_s = now;
   try {
     if (m.type == MsgType::kHello) {
-      I.on_hello(c, from, m);
+      I.on_hello(c, from, m, who);
     } else if (!p && cl == I.clients.end()) {
       I.bad(c, from, &m, WireErrc::kOutOfOrder, "say HELLO first (protocol v" + std::to_string(wire::kVersion) + ")");
     } else {
@@ -295,15 +357,16 @@ Actions RouterCore::on_message(const PeerId& from, wire::Message m, double now) 
           if (!p) I.bad(c, from, &m, WireErrc::kOutOfOrder, "only stage servers send results");
           else I.on_reply(c, *p, m);
           break;
-        case MsgType::kSubmit: I.on_submit(c, from, m); break;
-        case MsgType::kStatus: I.on_status(c, from, m); break;
-        case MsgType::kCancel: I.on_cancel(c, from, m); break;
+        case MsgType::kSubmit: if (I.permitted(c, from, m, who, true)) I.on_submit(c, from, m, who); break;
+        case MsgType::kStatus: if (I.permitted(c, from, m, who, true)) I.on_status(c, from, m, who); break;
+        case MsgType::kCancel: if (I.permitted(c, from, m, who, true)) I.on_cancel(c, from, m, who); break;
         case MsgType::kPeers: {
+          if (!I.permitted(c, from, m, who, true)) break;
           const msg::Peers q = msg::read<msg::Peers>(m);
           c.send(from, wire::json_message(MsgType::kPeersReply, m.id, m.attempt, peers_json(q.offset, q.limit, now)));
           break;
         }
-        case MsgType::kChaos: I.on_chaos(c, from, m); break;
+        case MsgType::kChaos: if (I.permitted(c, from, m, who, false)) I.on_chaos(c, from, m); break;
         default:
           I.bad(c, from, &m, WireErrc::kOutOfOrder, std::string("the router does not take ") + wire::msg_type_name(m.type));
       }
@@ -377,7 +440,7 @@ Actions RouterCore::tick(double now) {
   if (now - I.last_beat_s >= I.opt.heartbeat_ms / 1000.0) {
     I.last_beat_s = now;
     for (const auto& [id, p] : I.peers.all()) c.send(id, wire::Message(MsgType::kHeartbeat));
-    for (auto it = I.clients.begin(); it != I.clients.end();) it = now - it->second > I.opt.client_idle_s ? I.clients.erase(it) : std::next(it);
+    for (auto it = I.clients.begin(); it != I.clients.end();) it = now - it->second.last_s > I.opt.client_idle_s ? I.clients.erase(it) : std::next(it);
   }
   // What holders may drop, batched per holder once a tick.
   for (auto& [holder, keys] : I.released) {

@@ -9,7 +9,7 @@
 //
 // Events in:                                   Actions out:
 //   restore(stored jobs)      at start           Send{to, message}
-//   on_message(peer, message) a decoded message   Log{level, text}
+//   on_message(peer, message, who) a decoded one  Log{level, text}
 //   on_undecodable(peer, ...) one that was not    WriteFile{path, content}      (atomic, fsynced)
 //   on_unreachable(peer)      a send failed       LoadJob{job, spec, resume...} (-> on_job_loaded)
 //   on_job_loaded(result)     after LoadJob       WriteCheckpoint{job, dir, ...} (-> on_checkpoint_written)
@@ -31,6 +31,7 @@
 #include "runtime/checkpoint.h"
 #include "runtime/data.h"
 #include "runtime/job_spec.h"
+#include "runtime/keys.h"
 #include "runtime/log.h"
 #include "runtime/wire.h"
 
@@ -66,6 +67,7 @@ struct LoadJob {
   uint64_t job = 0;
   JobSpec spec;
   std::string resume, checkpoint_dir;
+  bool remote = false;   // submitted from another host: its files are confined to the router's roots
 };
 // Write a checkpoint (runtime/checkpoint.h), then call on_checkpoint_written.
 struct WriteCheckpoint {
@@ -108,7 +110,9 @@ class RouterCore {
   RouterCore& operator=(const RouterCore&) = delete;
 
   Actions restore(std::vector<StoredJob> jobs, double now);
-  Actions on_message(const PeerId& from, wire::Message m, double now);
+  // `who`: the sender as the transport authenticated it (CURVE: its key and role, from the
+  // router's authorized file); Identity::anyone() on a router without keys.
+  Actions on_message(const PeerId& from, wire::Message m, double now, const Identity& who = Identity::anyone());
   Actions on_undecodable(const PeerId& from, const WireError& e, std::optional<uint64_t> id, double now);
   Actions on_unreachable(const PeerId& peer, double now);
   Actions on_job_loaded(JobLoaded r, double now);

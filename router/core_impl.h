@@ -18,13 +18,19 @@ struct RouterCore::Impl {
   CoreOptions opt;
   Registry peers;
   Requests requests;
-  std::map<PeerId, double> clients;        // client sessions: last heard [s]
+  struct Session {
+    double last_s = 0;                     // last heard [s]
+    Identity who;                          // as authenticated when it said HELLO
+  };
+  std::map<PeerId, Session> clients;       // client sessions
+  std::map<uint64_t, std::string> owners;  // job id -> the key that submitted it ("" without keys)
   std::vector<std::unique_ptr<Job>> jobs;  // in submission order
   struct Submitter {
     PeerId client;                         // "" for a job restored from the state dir
     uint64_t id = 0;
     uint32_t attempt = 0;
     std::string resume;
+    bool remote = false;
   };
   std::map<uint64_t, Submitter> loading;   // jobs whose data is being loaded
   uint64_t next_job_id = 1;
@@ -61,7 +67,15 @@ struct RouterCore::Impl {
 
   // core.cpp: sessions, replies, the job queue.
   void peer_dead(Ctx& c, const PeerId& id, const std::string& why);
-  void on_hello(Ctx& c, const PeerId& from, const wire::Message& m);
+  void on_hello(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who);
+  // The role check of a client request: false (and the sender told which role it needs) when
+  // `who` may not do it.
+  bool permitted(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who, bool client_ok);
+  // Whether `who` may see or cancel job `id`: admins any, clients their own.
+  bool owns(const Identity& who, uint64_t id) const;
+  // PEER_KEYS: which stage servers may fetch from which (CURVE swarms).
+  void share_keys(Ctx& c, const Peer& joined);
+  void withdraw_key(Ctx& c, const Peer& gone);
   void on_reply(Ctx& c, Peer& p, wire::Message& m);
   void on_error_reply(Ctx& c, Peer& p, const Pending& pd, Job& j, const wire::Message& m);
   void end_job(Ctx& c, Job& j, JobState st, const std::string& why);
@@ -69,13 +83,13 @@ struct RouterCore::Impl {
   void advance_jobs(Ctx& c);
 
   // clients.cpp: client requests and job intake.
-  void on_submit(Ctx& c, const PeerId& from, const wire::Message& m);
+  void on_submit(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who);
   // A job is created now (its id fixes its place in the queue) and runs once its data is loaded.
   void queue_load(Ctx& c, uint64_t id, JobSpec spec, Submitter who, std::string checkpoint_dir);
   void on_loaded(Ctx& c, JobLoaded r);
   nlohmann::json status_of(const Job* j, double now) const;
-  void on_status(Ctx& c, const PeerId& from, const wire::Message& m);
-  void on_cancel(Ctx& c, const PeerId& from, const wire::Message& m);
+  void on_status(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who);
+  void on_cancel(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who);
   void on_chaos(Ctx& c, const PeerId& from, const wire::Message& m);
 };
 

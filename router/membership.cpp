@@ -81,7 +81,7 @@ void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
   Peer* donor = nullptr;
   if (Peer* d = c.peers.find(donor_id); d && d->state == PeerState::kReady && d->job_id == id_ && d->stage == p.stage) donor = d;
   for (Peer* d : c.peers.stage_peers(id_, p.stage, c.now))
-    if (!donor && d != &p) donor = d;
+    if (!donor && d != &p && !c.peers.banned(*d, c.now)) donor = d;   // a donor whose state failed a check waits out its ban
   if (donor && rounds_.count() > 0) {
     // While the group steps together it is one optimizer: a joiner copies all of a donor's state.
     msg::StateRequest body;
@@ -169,6 +169,7 @@ void TrainingJob::on_state_reply(Ctx& c, Peer& donor, const Pending& pd, wire::M
   lp.stage = t->stage;
   lp.peer = t->id;
   lp.target = donor.hello.name;
+  lp.donor = donor.id;
   if (!m.refs.empty()) {
     lp.holder = donor.id;  // released once the joiner has loaded it, or failed to
     lp.key = pd.id;
@@ -188,6 +189,7 @@ void TrainingJob::integrity_failure(Ctx& c, const PeerId& id, const std::string&
     return;
   }
   p->state = PeerState::kQuarantined;
+  quarantined_ids_.insert(p->key.empty() ? p->id : p->key);
   const std::string reason = std::to_string(p->integrity_failures) + " integrity failures, the last: " + what;
   quarantined_.push_back({{"peer", p->hello.name}, {"id", id}, {"stage", p->stage}, {"reason", reason}});
   c.warn("peer " + p->hello.name + " quarantined (" + reason + ")");

@@ -29,6 +29,7 @@ struct Peer {
   PeerId id;
   uint64_t seq = 0;               // join order, assigned by the router (ties and donors use it, never the id)
   msg::Hello hello;               // what it said about itself (name cut to 64 bytes)
+  std::string key;                // its public key (Z85) in a CURVE swarm, else ""
   int stage = -1;                 // the stage it serves for job_id
   uint64_t job_id = 0;
   PeerState state = PeerState::kIdle;

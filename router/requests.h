@@ -44,6 +44,7 @@ struct Pending {
   double sent_s = 0, deadline_s = 0;
   bool hold = false;       // the reply's tensors stay at the peer (peer to peer)
   PeerId holder;           // kStateLoad: the donor holding the state it references (its request: `key`)
+  PeerId donor;            // kStateLoad: the peer whose state it carries ("": a snapshot)
 };
 
 class Requests {

@@ -229,6 +229,16 @@ void Rounds::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
         st.owners_tried[size_t(j)].insert(p.id);
         return reduce_part(c, pd.stage, j);
       }
+      // Contributions its reducer had to scale down (diloco::clip_to_median): reported, counted.
+      for (int64_t k : r.clipped) {
+        if (k < 0 || size_t(k) >= st.contributors[size_t(j)].size()) continue;
+        const PeerId& who = st.contributors[size_t(j)][size_t(k)];
+        const Peer* q = c.peers.find(who);
+        const std::string nm = q ? q->hello.name : who;
+        clipped_[nm]++;
+        c.warn("round " + std::to_string(count_) + ": peer " + nm + "'s outer gradient for part " + std::to_string(j) + " of stage " +
+               std::to_string(pd.stage) + " was over " + std::to_string(int(diloco::kClipFactor)) + "x the group's median norm; clipped");
+      }
       Slot mean = Ctx::take_reply_tensor(p.id, pd.id, m, 0);
       if (mean.bytes) {
         bytes_outer += mean.bytes->desc.wire_bytes();
@@ -476,7 +486,7 @@ nlohmann::json Rounds::status() const {
   nlohmann::json bytes = nlohmann::json::object();
   for (const auto& [name, b] : last_round_bytes_) bytes[name] = {{"sent", b.sent}, {"received", b.received}};
   return {{"rounds", count_}, {"fragment_syncs", fragment_syncs_}, {"hash_mismatches", hash_mismatches_}, {"state_hashes", hashes},
-          {"outer_peer_bytes", bytes}};
+          {"outer_peer_bytes", bytes}, {"clipped", clipped_}};
 }
 
 }  // namespace swarm::router

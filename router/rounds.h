@@ -102,7 +102,7 @@ class Rounds {
   // A request of the round could not fetch tensor `slot` from the peer holding it.
   void on_fetch_failed(Ctx& c, const Pending& pd, int slot);
 
-  nlohmann::json status() const;   // rounds, fragment_syncs, hash_mismatches, state_hashes, outer_peer_bytes
+  nlohmann::json status() const;   // rounds, fragment_syncs, hash_mismatches, state_hashes, outer_peer_bytes, clipped
   void note_hash(const Peer& p, uint64_t hash);
   void forget(const Peer& p);      // it left: its counts and its last hash go
   // Outer-gradient bytes that crossed a link (deltas, parts, means), through the router or peer
@@ -154,6 +154,7 @@ class Rounds {
   std::vector<Stage> stages_;
   std::map<std::pair<int, int>, std::pair<int, PeerId>> last_owner_;   // (stage, part) -> (K, owner)
   std::map<std::string, PeerBytes> round_bytes_, last_round_bytes_;
+  std::map<std::string, uint64_t> clipped_;   // contributions clipped, by peer name
   std::vector<uint64_t> fragment_syncs_;
   uint64_t hash_mismatches_ = 0;
   std::vector<std::map<std::string, uint64_t>> state_hashes_;   // per stage: peer name -> last hash

@@ -12,6 +12,8 @@
 #include <thread>
 #include <variant>
 
+#include <sys/stat.h>
+
 #include "runtime/fs.h"
 #include "runtime/limits.h"
 #include "runtime/text.h"
@@ -47,11 +49,45 @@ std::vector<StoredJob> read_state_dir(const std::string& dir) {
   return out;
 }
 
+std::string canonical(const std::string& p) {
+  std::error_code ec;
+  std::filesystem::path c = std::filesystem::weakly_canonical(std::filesystem::absolute(p, ec), ec);
+  return ec ? std::string() : c.lexically_normal().string();
+}
+
 }  // namespace
+
+std::string outside_roots(const std::string& path, const std::vector<std::string>& roots, const std::string& what) {
+  const std::string c = canonical(path);
+  for (const std::string& r : roots) {
+    std::string root = canonical(r);
+    if (root.empty() || c.empty()) continue;
+    if (root.back() != '/') root += '/';
+    if (c == root.substr(0, root.size() - 1) || c.rfind(root, 0) == 0) return "";
+  }
+  if (roots.empty())
+    return what + " \"" + path + "\": this router reads no files for jobs from other hosts; start it with --data-root DIR and put the files there";
+  std::string list;
+  for (const std::string& r : roots) list += (list.empty() ? "" : ", ") + r;
+  return what + " \"" + path + "\" is outside the router's allowed directories (" + list + "); move the file there or ask the router's operator";
+}
+
+bool loopback_bind(const std::string& bind) {
+  if (bind.rfind("ipc://", 0) == 0 || bind.rfind("inproc://", 0) == 0) return true;
+  for (const char* host : {"tcp://127.", "tcp://localhost:", "tcp://[::1]:"})
+    if (bind.rfind(host, 0) == 0) return true;
+  return false;
+}
 
 struct Server::Impl {
   ServerOptions opt;
   zmq::context_t ctx{1};
+  // CURVE: the keys allowed in (by Z85 key) and the handler that admits them; null without keys.
+  std::map<std::string, Authorized> authorized;   // guarded by auth_mu: the ZAP thread reads it
+  mutable std::mutex auth_mu;
+  std::string auth_stamp;                         // the authorized file's mtime and size when read
+  double auth_checked_s = 0;
+  std::unique_ptr<ZapHandler> zap;
   zmq::socket_t sock{ctx, zmq::socket_type::router};
   std::string endpoint;
   RouterCore core;
@@ -70,8 +106,34 @@ struct Server::Impl {
   std::thread disk;
 
   explicit Impl(ServerOptions o) : opt(std::move(o)), core(opt.core) {
+    if (opt.key_file.empty() != opt.authorized_file.empty())
+      throw InputError("give --key and --authorized together (the router's keypair and the keys it lets in), or neither");
+    if (opt.key_file.empty() && !opt.insecure && !loopback_bind(opt.bind))
+      throw InputError("refusing to listen on " + opt.bind + " without keys: anyone who reaches it could join, read the training data "
+                       "and run jobs. Make keys with `swarm keygen --out router` (and one per stage server and user), list the "
+                       "public ones in an authorized file, and pass --key router.key --authorized FILE; or pass --insecure on a "
+                       "network you trust (docs/security.md)");
     sock.set(zmq::sockopt::router_mandatory, 1);
-    sock.set(zmq::sockopt::router_handover, 1);
+    if (!opt.key_file.empty()) {
+      const KeyPair own = read_keypair(opt.key_file);
+      reload_authorized();
+      zap = std::make_unique<ZapHandler>(ctx, [this](const std::string& key, const std::string&) -> std::optional<Identity> {
+        std::lock_guard<std::mutex> l(auth_mu);
+        auto it = authorized.find(key);
+        if (it == authorized.end()) return std::nullopt;
+        return Identity{true, key, it->second.name, it->second.role};
+      });
+      curve_server(sock, own, "swarm");
+      // No handover: a routing id in use stays with its connection (stage servers' ids derive
+      // from their keys); ZeroMQ's own heartbeats close a connection whose process stopped
+      // answering, so a restarted peer gets its id back within seconds.
+      sock.set(zmq::sockopt::heartbeat_ivl, 1000);
+      sock.set(zmq::sockopt::heartbeat_timeout, 4000);
+      log_info("router", "CURVE on: " + std::to_string(authorized.size()) + " authorized key(s) from " + opt.authorized_file);
+    } else {
+      sock.set(zmq::sockopt::router_handover, 1);
+      if (!loopback_bind(opt.bind)) log_warn("router", "--insecure: no keys; anyone who reaches " + opt.bind + " can join and submit jobs");
+    }
     sock.set(zmq::sockopt::linger, 0);
     sock.set(zmq::sockopt::sndhwm, 100000);
     sock.set(zmq::sockopt::rcvhwm, 100000);
@@ -96,6 +158,36 @@ struct Server::Impl {
 
   double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+  static std::string stamp_of(const std::string& path) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return "";
+    return std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + ":" + std::to_string(st.st_size);
+  }
+
+  // The authorized file is read again when it changes (checked every second): keys added are let
+  // in, and the messages of keys removed are dropped from then on. A file that no longer parses
+  // keeps the keys read before, and says why.
+  void reload_authorized() {
+    const std::string stamp = stamp_of(opt.authorized_file);
+    if (!authorized.empty() && stamp == auth_stamp) return;
+    std::map<std::string, Authorized> fresh;
+    try {
+      for (Authorized& a : read_authorized(opt.authorized_file)) fresh[a.key] = std::move(a);
+    } catch (const InputError& e) {
+      if (authorized.empty()) throw;
+      auth_stamp = stamp;
+      log_warn("router", std::string(e.what()) + "; keeping the keys read before");
+      return;
+    }
+    const bool first = authorized.empty();
+    {
+      std::lock_guard<std::mutex> l(auth_mu);
+      authorized.swap(fresh);
+    }
+    auth_stamp = stamp;
+    if (!first) log_info("router", opt.authorized_file + " changed: " + std::to_string(authorized.size()) + " authorized key(s)");
+  }
+
   void disk_loop() {
     for (;;) {
       DiskWork w;
@@ -113,7 +205,7 @@ struct Server::Impl {
         }
       }
       std::optional<DiskResult> r;
-      if (auto* l = std::get_if<LoadJob>(&w)) r = load(*l);
+      if (auto* l = std::get_if<LoadJob>(&w)) r = load(std::move(*l));
       else if (auto* f = std::get_if<WriteFile>(&w)) write(*f);
       else r = checkpoint(std::get<WriteCheckpoint>(w));
       if (r) {
@@ -123,10 +215,33 @@ struct Server::Impl {
     }
   }
 
-  JobLoaded load(const LoadJob& l) const {
+  // A job from another host (or any job when --data-root is given) reads data and --resume
+  // checkpoints only under the data roots, and writes checkpoints only under the state dir.
+  std::string confined(LoadJob& l) const {
+    if (!l.remote && opt.data_roots.empty()) return "";
+    for (size_t i = 0; i < l.spec.data.paths.size(); ++i) {
+      std::string& p = l.spec.data.paths[i];
+      if (std::string e = outside_roots(p, opt.data_roots, "data.path"); !e.empty()) return e;
+      p = canonical(p);   // read what was checked, not what a symlink points to later
+    }
+    std::vector<std::string> readable = opt.data_roots;
+    if (!opt.core.state_dir.empty()) readable.push_back(opt.core.state_dir);
+    if (!l.resume.empty())
+      if (std::string e = outside_roots(l.resume, readable, "--resume"); !e.empty()) return e;
+    if (!l.spec.checkpoint.dir.empty()) {
+      if (opt.core.state_dir.empty())
+        return "checkpoint.dir \"" + l.spec.checkpoint.dir + "\": this router writes no checkpoints where a job asks; leave checkpoint.dir out "
+               "(the router keeps checkpoints in its --state-dir)";
+      if (std::string e = outside_roots(l.spec.checkpoint.dir, {opt.core.state_dir}, "checkpoint.dir"); !e.empty()) return e;
+    }
+    return "";
+  }
+
+  JobLoaded load(LoadJob l) const {
     JobLoaded r;
     r.job = l.job;
     try {
+      if (std::string e = confined(l); !e.empty()) throw InputError(e);
       parse_job_spec(to_json(l.spec), /*check_files=*/true);  // what is wrong with the files, said for a person
       r.data = std::make_shared<TokenData>(TokenData::load(l.spec.data, l.spec.model.seq_len, l.spec.model.vocab_size, opt.max_data_bytes));
       if (!l.resume.empty()) r.checkpoint = resolve_checkpoint(l.resume);
@@ -204,7 +319,26 @@ struct Server::Impl {
     }
   }
 
+  // Who sent it: the key CURVE authenticated (and its role), and whether from another host.
+  // nullopt: a key no longer authorized (it cannot happen while the file is not reloaded).
+  std::optional<Identity> identity_of(const wire::Received& r) {
+    Identity who;
+    if (r.frames.empty()) return who;
+    who.remote = from_remote_host(r.frames[0]);
+    if (!zap) return who;
+    std::lock_guard<std::mutex> l(auth_mu);
+    auto it = authorized.find(authenticated_key(r.frames[0]));
+    if (it == authorized.end()) return std::nullopt;
+    who.authenticated = true;
+    who.key = it->first;
+    who.name = it->second.name;
+    who.role = it->second.role;
+    return who;
+  }
+
   void handle(wire::Received& r) {
+    const std::optional<Identity> who = identity_of(r);
+    if (!who) return;
     wire::Envelope env;
     try {
       env = wire::peek_envelope(r.frames);
@@ -212,14 +346,14 @@ struct Server::Impl {
       return execute(core.on_undecodable(r.route, e, std::nullopt, now()));
     }
     // Nothing but HELLO from a stranger: its body and tensors are not even parsed.
-    if (!core.accepts(r.route, env.type)) return execute(core.on_message(r.route, wire::Message(env.type, env.id, env.attempt), now()));
+    if (!core.accepts(r.route, env.type)) return execute(core.on_message(r.route, wire::Message(env.type, env.id, env.attempt), now(), *who));
     wire::Message m;
     try {
       m = wire::decode(r.frames);
     } catch (const WireError& e) {
       return execute(core.on_undecodable(r.route, e, env.id, now()));
     }
-    execute(core.on_message(r.route, std::move(m), now()));
+    execute(core.on_message(r.route, std::move(m), now(), *who));
   }
 
   void drain_disk() {
@@ -252,6 +386,10 @@ struct Server::Impl {
         }
       }
       drain_disk();
+      if (zap && now() - auth_checked_s >= 1.0) {
+        auth_checked_s = now();
+        reload_authorized();
+      }
       execute(core.tick(now()));
     }
     execute(core.shutdown(now()));

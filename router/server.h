@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "router/core.h"
 
@@ -22,8 +23,22 @@ struct ServerOptions {
   std::string bind = "tcp://0.0.0.0:5555";   // "tcp://127.0.0.1:*" picks a free port
   std::string ready_file;                     // written with the bound endpoint once listening
   uint64_t max_data_bytes = TokenData::kDefaultMaxDataBytes;  // a job's data files together
+  // CURVE (docs/security.md): the router's keypair file and the authorized keys file; both
+  // empty: no keys, which only a loopback bind or `insecure` allows.
+  std::string key_file, authorized_file;
+  bool insecure = false;
+  // Where jobs may read data and --resume checkpoints from. Empty: jobs submitted from another
+  // host may read nothing, local ones anything the router can. Checkpoint dirs of confined jobs
+  // must be under the state dir.
+  std::vector<std::string> data_roots;
   CoreOptions core;
 };
+
+// Whether a job's file may be used: "" if so, else what to fix. `path` must exist; it is
+// taken with symlinks resolved; `roots` empty allows nothing.
+std::string outside_roots(const std::string& path, const std::vector<std::string>& roots, const std::string& what);
+// Whether `bind` listens only on this host (127.x, localhost, [::1], ipc://, inproc://).
+bool loopback_bind(const std::string& bind);
 
 class Server {
  public:

@@ -124,6 +124,13 @@ void TrainingJob::start(Ctx& c) {
 }
 
 void TrainingJob::offer(Ctx& c, Peer& p) {
+  // A quarantine outlives the session: a peer that says HELLO again is still held out (in a
+  // CURVE swarm by its key, which its routing id derives from).
+  if (p.state == PeerState::kIdle && quarantined_ids_.count(p.key.empty() ? p.id : p.key)) {
+    p.state = PeerState::kQuarantined;
+    c.warn("peer " + p.hello.name + " came back but stays quarantined for job " + std::to_string(id_));
+    return;
+  }
   if (wants(p) && p.state == PeerState::kIdle && !c.peers.banned(p, c.now)) assign(c, p);
 }
 
@@ -197,6 +204,13 @@ void TrainingJob::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tenso
       return;
     case ReqKind::kStateLoad:
       if (!pd.holder.empty()) c.release(pd.holder, pd.key);
+      // The joiner found the donor's state bad (a size, a non-finite value, a negative second
+      // moment): the donor is to blame, and another one is asked.
+      if (error && bad_tensor >= 0 && !pd.donor.empty())
+        if (Peer* d = c.peers.find(pd.donor)) {
+          c.peers.ban(*d, c.now);
+          integrity_failure(c, d->id, "served a stage state that failed a joiner's checks (tensor " + std::to_string(bad_tensor) + ")");
+        }
       // The copy did not land: another donor, or the snapshot.
       if (p && p->state == PeerState::kSyncing) start_sync(c, *p);
       return;

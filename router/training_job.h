@@ -110,6 +110,7 @@ class TrainingJob : public Job {
   bool step_overflow_ = false;    // a backward of the current step overflowed: every stage skips it
   uint64_t skipped_steps_ = 0;
   nlohmann::json quarantined_ = nlohmann::json::array();
+  std::set<std::string> quarantined_ids_;   // keys (ids without keys) of the quarantined, kept across HELLOs
   nlohmann::json restores_ = nlohmann::json::array();
   nlohmann::json resumed_ = nullptr;
   // Rebalancing (routing.rebalance).

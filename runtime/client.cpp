@@ -2,7 +2,9 @@
 #include "runtime/client.h"
 
 #include <chrono>
+#include <cstdlib>
 
+#include "runtime/keys.h"
 #include "runtime/messages.h"
 
 namespace swarm {
@@ -12,6 +14,17 @@ using wire::MsgType;
 
 Client::Client(const std::string& router, int timeout_ms) : router_(router), sock_(ctx_, zmq::socket_type::dealer) {
   sock_.set(zmq::sockopt::linger, 0);
+  sock_.set(zmq::sockopt::sndtimeo, 1000);   // no connection up (a refused handshake): fail, do not hang
+  // CURVE when the user has keys: SWARM_KEY (their keypair file) and SWARM_ROUTER_KEY (the
+  // router's public key or .pub file); `swarm --key/--router-key` set them.
+  const char* key = std::getenv("SWARM_KEY");
+  const char* router_key = std::getenv("SWARM_ROUTER_KEY");
+  if ((key && *key) != (router_key && *router_key))
+    throw InputError("give both --key and --router-key (SWARM_KEY and SWARM_ROUTER_KEY), or neither");
+  if (key && *key) {
+    curve_client(sock_, read_keypair(key), read_public_key(router_key));
+    keyed_ = true;
+  }
   try {
     sock_.connect(router);
   } catch (const zmq::error_t& e) {
@@ -56,7 +69,9 @@ Message Client::request(Message req, int timeout_ms) {
     return m;
   }
   throw RouterUnreachable("no answer from a router at " + router_ + " within " + std::to_string(timeout_ms / 1000.0) +
-                          " s: is swarm-router running there (swarm-router --bind tcp://0.0.0.0:PORT) and reachable?");
+                          " s: is swarm-router running there (swarm-router --bind tcp://0.0.0.0:PORT) and reachable?" +
+                          (keyed_ ? " Is your public key in its authorized file, and --router-key the router's?"
+                                  : " If it uses keys, pass --key and --router-key."));
 }
 
 nlohmann::json Client::request_body(MsgType type, nlohmann::json body, int timeout_ms) {

@@ -30,7 +30,9 @@ class RouterError : public InputError {
 
 class Client {
  public:
-  // Connects and says HELLO; throws RouterUnreachable after timeout_ms without a WELCOME.
+  // Connects and says HELLO; throws RouterUnreachable after timeout_ms without a WELCOME. With
+  // SWARM_KEY and SWARM_ROUTER_KEY set (a keypair file; the router's public key or .pub file),
+  // the connection uses CURVE.
   explicit Client(const std::string& router, int timeout_ms = 5000);
   ~Client();
   // Sends `req` and waits for the reply with the same id; throws RouterUnreachable on timeout
@@ -45,6 +47,7 @@ class Client {
   zmq::context_t ctx_{1};
   zmq::socket_t sock_;
   uint64_t next_id_ = 1;
+  bool keyed_ = false;   // CURVE on (SWARM_KEY)
 };
 
 }  // namespace swarm

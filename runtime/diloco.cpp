@@ -1,6 +1,9 @@
 // diloco.cpp: see diloco.h.
 #include "runtime/diloco.h"
 
+#include <algorithm>
+#include <cmath>
+
 namespace swarm::diloco {
 
 void accumulate(std::vector<float>& sum, const float* d, size_t n, float w) {
@@ -30,6 +33,34 @@ int fragment_due(int steps_done, int H, int F) {
     if (offset > 0 && steps_done >= offset && (steps_done - offset) % H == 0) return f;
   }
   return -1;
+}
+
+std::vector<size_t> clip_to_median(std::vector<std::vector<float>>& ds, const std::vector<double>& weights) {
+  std::vector<double> norms(ds.size(), 0.0), counted, comparable;
+  double wmax = 0;
+  for (size_t k = 0; k < ds.size() && k < weights.size(); ++k) wmax = std::max(wmax, weights[k]);
+  for (size_t k = 0; k < ds.size(); ++k) {
+    double s = 0;
+    for (float v : ds[k]) s += double(v) * double(v);
+    norms[k] = std::sqrt(s);
+    if (k >= weights.size() || !(weights[k] > 0) || !std::isfinite(norms[k])) continue;
+    counted.push_back(norms[k]);
+    // A peer that trained much less this round (it joined late) has a smaller Δ: the median is
+    // taken among peers that did comparable work, when there are two.
+    if (weights[k] >= 0.5 * wmax) comparable.push_back(norms[k]);
+  }
+  std::vector<size_t> clipped;
+  if (counted.size() < 2) return clipped;
+  if (comparable.size() >= 2) counted.swap(comparable);
+  std::sort(counted.begin(), counted.end());
+  const double bound = kClipFactor * counted[(counted.size() - 1) / 2];
+  for (size_t k = 0; k < ds.size(); ++k) {
+    if (std::isfinite(norms[k]) && norms[k] <= bound) continue;
+    const float scale = std::isfinite(norms[k]) && norms[k] > 0 ? float(bound / norms[k]) : 0.f;
+    for (float& v : ds[k]) v = std::isfinite(norms[k]) ? v * scale : 0.f;
+    clipped.push_back(k);
+  }
+  return clipped;
 }
 
 }  // namespace swarm::diloco

@@ -17,6 +17,16 @@ namespace swarm::diloco {
 // sum[i] += w * d[i]. A peer's outer gradient enters the group's mean with its sample count.
 void accumulate(std::vector<float>& sum, const float* d, size_t n, float w);
 
+// Bounds every contribution of a round (docs/security.md): with two or more contributions of
+// positive weight, one whose L2 norm exceeds kClipFactor times the lower median of their norms
+// (of those with at least half the largest weight, when there are two such) is scaled down to
+// that norm (a non-finite one to zeros). Returns the indices scaled. Honest
+// peers of a group train on the same data distribution from the same weights, so their norms
+// are within a small factor of each other; a liar's outsized vector moves the mean by at most
+// kClipFactor honest norms.
+constexpr double kClipFactor = 4.0;
+std::vector<size_t> clip_to_median(std::vector<std::vector<float>>& ds, const std::vector<double>& weights);
+
 // m <- mu * m + d; theta_g <- theta_g - lr * (nesterov ? d + mu * m : m). With lr 1 and mu 0
 // that is theta_g <- theta_g - d: for d = theta_g - theta, the plain (weighted) average of the
 // peers' weights.

@@ -32,6 +32,7 @@ enum class WireErrc : int {
   kUnknownType = 9,    // message type we do not know
   kUnreachable = 10,   // a tensor reference could not be fetched from its holder (docs/protocol.md)
   kNotHeld = 11,       // FETCH of a tensor its holder does not hold (released, expired, never made)
+  kForbidden = 12,     // the sender's key lacks the role this needs (docs/security.md)
 };
 inline const char* wire_errc_name(WireErrc code) {
   switch (code) {
@@ -46,6 +47,7 @@ inline const char* wire_errc_name(WireErrc code) {
     case WireErrc::kUnknownType: return "unknown_type";
     case WireErrc::kUnreachable: return "unreachable";
     case WireErrc::kNotHeld: return "not_held";
+    case WireErrc::kForbidden: return "forbidden";
   }
   return "unknown";
 }

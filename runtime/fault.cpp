@@ -33,7 +33,7 @@ namespace {
 constexpr FaultAction kActions[] = {FaultAction::kCrash, FaultAction::kFreeze,    FaultAction::kZombie,
                                     FaultAction::kSlow,  FaultAction::kDrop,      FaultAction::kDelay,
                                     FaultAction::kDuplicate, FaultAction::kCorrupt, FaultAction::kPartition,
-                                    FaultAction::kNan, FaultAction::kOverflow};
+                                    FaultAction::kNan, FaultAction::kOverflow, FaultAction::kLie};
 constexpr FaultPoint kPoints[] = {FaultPoint::kBeforeSend, FaultPoint::kAfterRecv, FaultPoint::kBeforeCompute,
                                   FaultPoint::kAfterCompute, FaultPoint::kHeartbeat};
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -60,6 +60,7 @@ std::vector<FaultPoint> points_of(FaultAction a) {
     case FaultAction::kSlow:
     case FaultAction::kNan: return {FaultPoint::kBeforeCompute, FaultPoint::kAfterCompute};
     case FaultAction::kOverflow: return {FaultPoint::kBeforeCompute};  // decided before the backward runs
+    case FaultAction::kLie: return {FaultPoint::kAfterCompute};         // the reply exists then
     case FaultAction::kDrop:
     case FaultAction::kDelay:
     case FaultAction::kDuplicate:
@@ -207,6 +208,7 @@ const char* fault_action_name(FaultAction a) {
     case FaultAction::kPartition: return "partition";
     case FaultAction::kNan: return "nan";
     case FaultAction::kOverflow: return "overflow";
+    case FaultAction::kLie: return "lie";
   }
   return "?";
 }
@@ -215,6 +217,7 @@ FaultPoint default_point(FaultAction a) {
   switch (a) {
     case FaultAction::kCrash:
     case FaultAction::kOverflow: return FaultPoint::kBeforeCompute;
+    case FaultAction::kLie: return FaultPoint::kAfterCompute;
     case FaultAction::kSlow:
     case FaultAction::kNan: return FaultPoint::kAfterCompute;
     case FaultAction::kDrop:

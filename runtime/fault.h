@@ -42,6 +42,8 @@ enum class FaultAction {
   kCorrupt,    // one byte of the message is flipped so that the receiver's checks catch it
   kPartition,  // no traffic in or out, heartbeats included, for duration_s
   kNan,        // the reply's output tensor (and loss) is NaN/Inf
+  kLie,        // the reply is a plausible lie (stages/liar.h): a wrong parameter count, outsized
+               // outputs or outer gradients, inflated samples, a false hash, a bad donor state
   kOverflow,   // the backward of a FORWARD_LOSS or BACKWARD overflows, as fp16 gradients can:
                // its gradients become non-finite (what loss scaling must catch; docs/gpu.md)
 };

@@ -312,10 +312,12 @@ struct RoundReduced {
   static constexpr MsgType kType = MsgType::kRoundReduced;
   uint64_t round = 0;
   int32_t stage = -1;
+  std::vector<int64_t> clipped;   // contributions (their index in the ROUND_REDUCE) scaled down to the bound
   template <class V>
   void visit(V& v) {
     v.field("round", round, kRequired, kMaxCount);
     v.field("stage", stage, kOptional, -1, kMaxStageIndex);
+    v.field("clipped", clipped, kOptional, size_t(256), int64_t(0), int64_t(255));
   }
 };
 
@@ -466,6 +468,19 @@ struct Release {
   std::vector<int64_t> keys;
   template <class V>
   void visit(V& v) { v.field("keys", keys, kRequired, kMaxKeys, int64_t(0), wire::kIntMax); }
+};
+
+// PEER_KEYS (router -> stage server, CURVE swarms only): public keys of stage servers that may
+// now fetch from this one (add) and that no longer may (remove).
+struct PeerKeys {
+  static constexpr MsgType kType = MsgType::kPeerKeys;
+  static constexpr size_t kMaxKeys = 1024;
+  std::vector<std::string> add, remove;
+  template <class V>
+  void visit(V& v) {
+    v.field("add", add, kOptional, kMaxKeys, size_t(40));
+    v.field("remove", remove, kOptional, kMaxKeys, size_t(40));
+  }
 };
 
 struct Chaos {

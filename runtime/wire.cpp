@@ -139,6 +139,10 @@ std::vector<TensorRef> parse_refs(const msgpack::object& a, size_t ntensors, siz
     if (!from || from->type != msgpack::type::STR || from->via.str.size > kMaxAddressBytes)
       fail(WireErrc::kMalformed, ctx + ": from must be an address of at most " + std::to_string(kMaxAddressBytes) + " bytes");
     ref.from.assign(from->via.str.ptr, from->via.str.size);
+    if (const msgpack::object* fk = map_get(r, "from_key")) {
+      if (fk->type != msgpack::type::STR || fk->via.str.size != 40) fail(WireErrc::kMalformed, ctx + ": from_key must be a public key (40 characters of Z85)");
+      ref.from_key.assign(fk->via.str.ptr, fk->via.str.size);
+    }
     ref.key = get_u64(r, "key", ctx);
     const uint64_t part = get_u64(r, "part", ctx), slot = get_u64(r, "slot", ctx);
     if (part >= limits::kMaxFrames) fail(WireErrc::kMalformed, ctx + ": part out of range");
@@ -184,11 +188,15 @@ void pack_desc(msgpack::packer<msgpack::sbuffer>& pk, const TensorDesc& t) {
 void pack_refs(msgpack::packer<msgpack::sbuffer>& pk, const std::vector<TensorRef>& refs) {
   pk.pack_array(uint32_t(refs.size()));
   for (const TensorRef& r : refs) {
-    pk.pack_map(5);
+    pk.pack_map(r.from_key.empty() ? 5 : 6);
     pack_str(pk, "desc");
     pack_desc(pk, r.desc);
     pack_str(pk, "from");
     pk.pack(r.from);
+    if (!r.from_key.empty()) {
+      pack_str(pk, "from_key");
+      pk.pack(r.from_key);
+    }
     pack_str(pk, "key");
     pk.pack(r.key);
     pack_str(pk, "part");
@@ -240,6 +248,7 @@ const char* msg_type_name(MsgType t) {
     case MsgType::kFetch: return "FETCH";
     case MsgType::kFetched: return "FETCHED";
     case MsgType::kRelease: return "RELEASE";
+    case MsgType::kPeerKeys: return "PEER_KEYS";
     case MsgType::kSubmit: return "SUBMIT";
     case MsgType::kSubmitted: return "SUBMITTED";
     case MsgType::kStatus: return "STATUS";

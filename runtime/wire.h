@@ -58,6 +58,7 @@ enum class MsgType : int {
   kFetch = 40,      // {key, part}: the tensor a TensorRef names; reply kFetched tensors [it] or kError not_held
   kFetched = 41,
   kRelease = 42,    // router -> holder {keys}: the replies of these requests are no longer needed
+  kPeerKeys = 43,   // router -> stage {add, remove}: the public keys other stage servers fetch with (CURVE)
   // Client (CLI) -> router.
   kSubmit = 50,     // {spec, resume?} or {bench_transport}; reply kSubmitted {job_id} or kError
   kSubmitted = 51,
@@ -102,6 +103,7 @@ struct TensorDesc {
 struct TensorRef {
   uint32_t slot = 0;   // its position among the message's tensors once fetched
   std::string from;    // the holder's peer address (tcp://host:port); empty: the sender
+  std::string from_key;  // the holder's public key (Z85) when the swarm uses CURVE; empty otherwise
   uint64_t key = 0;    // the id of the request whose reply made it
   uint32_t part = 0;   // its index among that reply's tensors
   TensorDesc desc;     // what the fetched tensor must be, checksum included

@@ -22,13 +22,21 @@ std::unique_ptr<zmq::socket_t> socket_of(zmq::context_t& ctx, zmq::socket_type t
 }  // namespace
 
 PeerLink::PeerLink(zmq::context_t& ctx, const std::string& listen, const std::string& advertise, Holdings& holdings,
-                   double fetch_timeout_s)
-    : ctx_(ctx), holdings_(holdings), fetch_timeout_s_(fetch_timeout_s) {
+                   double fetch_timeout_s, std::optional<KeyPair> own)
+    : ctx_(ctx), own_(std::move(own)), holdings_(holdings), fetch_timeout_s_(fetch_timeout_s) {
   if (listen.empty()) {
     if (!advertise.empty()) throw InputError("--advertise needs --listen: the address to bind and take connections on");
     return;
   }
+  if (own_) {
+    zap_ = std::make_unique<ZapHandler>(ctx, [this](const std::string& key, const std::string&) -> std::optional<Identity> {
+      std::lock_guard<std::mutex> l(keys_mu_);
+      if (!allowed_.count(key)) return std::nullopt;
+      return Identity{true, key, "", Role::kStage};
+    });
+  }
   listen_ = socket_of(ctx, zmq::socket_type::router);
+  if (own_) curve_server(*listen_, *own_, "swarm-peers");
   // A FETCH is small; a peer that sends frames of any size is cut off by libzmq before buffering them.
   listen_->set(zmq::sockopt::maxmsgsize, int64_t(limits::kMaxSmallBodyBytes) + 4096);
   try {
@@ -111,10 +119,18 @@ wire::Message PeerLink::serve(const wire::Message& fetch) {
   return reply;
 }
 
-PeerLink::Dialer& PeerLink::dialer(const std::string& address, double now) {
-  Dialer& d = dialers_[address];
+void PeerLink::peer_keys(const msg::PeerKeys& k) {
+  std::lock_guard<std::mutex> l(keys_mu_);
+  for (const std::string& key : k.add) allowed_.insert(key);
+  for (const std::string& key : k.remove) allowed_.erase(key);
+}
+
+PeerLink::Dialer& PeerLink::dialer(const std::string& holder, const std::string& key, double now) {
+  Dialer& d = dialers_[holder];
   if (!d.sock) {
+    const std::string address = holder.substr(0, holder.find(' '));
     d.sock = socket_of(ctx_, zmq::socket_type::dealer);
+    if (own_) curve_client(*d.sock, *own_, key);
     d.sock->set(zmq::sockopt::maxmsgsize, int64_t(limits::kMaxTensorBytes) + int64_t(limits::kMaxSmallBodyBytes));
     d.sock->connect(address);
   }
@@ -144,14 +160,20 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
       continue;
     }
     if (cut_) continue;  // partitioned: times out
+    if (own_ && !valid_z85_key(r.from_key)) {
+      fail(w, i, WireErrc::kUnreachable, "tensor " + std::to_string(r.slot) + "'s holder " + r.from + " has no key to check it by");
+      continue;
+    }
+    // One dialer per holder: its address and, under CURVE, the key it must prove it has.
+    const std::string holder = own_ ? r.from + " " + r.from_key : r.from;
     msg::Fetch f;
     f.key = r.key;
     f.part = int32_t(r.part);
     const uint64_t fid = next_fetch_++;
     wire::Message q = msg::make(wire::MsgType::kFetch, f, fid);
-    fetching_[fid] = Fetching{wid, i, r.from};
+    fetching_[fid] = Fetching{wid, i, holder};
     fetches++;
-    if (!wire::send(*dialer(r.from, now).sock, q)) fail(w, i, WireErrc::kUnreachable, "cannot queue a FETCH to " + r.from);
+    if (!wire::send(*dialer(holder, r.from_key, now).sock, q)) fail(w, i, WireErrc::kUnreachable, "cannot queue a FETCH to " + r.from);
   }
 }
 

@@ -9,20 +9,27 @@
 // compute thread. A reference that does not arrive within the fetch timeout, or that its holder
 // no longer has, fails the request with ERROR unreachable / not_held naming the tensor; a
 // fetched tensor that is not the one referenced fails it with ERROR bad_tensor (its maker may be
-// lying: the router asks for a second opinion). The I/O thread owns it; torch-free.
+// lying: the router asks for a second opinion). In a CURVE swarm (`own` keys given) both ends
+// are encrypted and authenticated: the listen socket admits only the keys the router named in
+// PEER_KEYS (other stage servers of the swarm), and a dialer checks that the holder is who the
+// reference says (TensorRef.from_key). The I/O thread owns it; torch-free.
 // Protocol: docs/protocol.md, "Peer to peer".
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include <zmq.hpp>
 
+#include "runtime/keys.h"
 #include "runtime/wire.h"
+#include "runtime/messages.h"
 #include "stages/holdings.h"
 
 namespace swarm {
@@ -33,7 +40,7 @@ class PeerLink {
   // (tcp://0.0.0.0:PORT, tcp://127.0.0.1:*); advertise: the address others dial ("": the bound
   // endpoint, which must then not be a wildcard address). Throws InputError saying what to fix.
   PeerLink(zmq::context_t& ctx, const std::string& listen, const std::string& advertise, Holdings& holdings,
-           double fetch_timeout_s);
+           double fetch_timeout_s, std::optional<KeyPair> own = std::nullopt);
   ~PeerLink();
   PeerLink(const PeerLink&) = delete;
   PeerLink& operator=(const PeerLink&) = delete;
@@ -62,6 +69,10 @@ class PeerLink {
   // tensor, or ERROR not_held.
   wire::Message serve(const wire::Message& fetch);
 
+  // PEER_KEYS from the router: the stage servers that may fetch from this one.
+  void peer_keys(const msg::PeerKeys& k);
+  uint64_t refused() const { return zap_ ? zap_->refused() : 0; }
+
   // Whether the outgoing path is cut (a partition fault): nothing served, nothing fetched.
   void set_cut(bool cut) { cut_ = cut; }
 
@@ -86,11 +97,15 @@ class PeerLink {
     size_t ref = 0;         // which of its references
     std::string address;
   };
-  Dialer& dialer(const std::string& address, double now);
+  Dialer& dialer(const std::string& address, const std::string& key, double now);
   void fail(Waiting& w, size_t ref, WireErrc code, const std::string& why);
   void on_fetch_reply(wire::Received& r, const std::string& address);
 
   zmq::context_t& ctx_;
+  std::optional<KeyPair> own_;
+  std::mutex keys_mu_;                         // allowed_ is read by the ZAP thread
+  std::set<std::string> allowed_;
+  std::unique_ptr<ZapHandler> zap_;
   std::unique_ptr<zmq::socket_t> listen_;
   std::string address_;
   Holdings& holdings_;

@@ -205,6 +205,7 @@ StageFaults::Compute StageFaults::compute_effects(const std::vector<FaultHit>& h
     if (h.action == FaultAction::kSlow) c.slow *= h.factor;
     if (h.action == FaultAction::kNan) c.nan = true;
     if (h.action == FaultAction::kOverflow) c.overflow = true;
+    if (h.action == FaultAction::kLie) c.lie = true;
   }
   return c;
 }

@@ -68,6 +68,7 @@ class StageFaults {
     double slow = 1.0;  // compute time multiplier
     bool nan = false;   // poison the output (and the loss)
     bool overflow = false;  // the backward overflows (its seed becomes +inf)
+    bool lie = false;       // the reply is falsified (stages/liar.h)
   };
   // Around one request the compute thread handles: may crash, or freeze before returning.
   Compute before_compute(int msg_type, uint64_t seq, bool has_output);

@@ -112,7 +112,20 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   }
   log_info("stage", "precision " + own.reason + " (unless a job pins model.precision)");
   const std::string name = opt.name.empty() ? default_name() : opt.name;
-  const std::string routing_id = random_id();
+  std::optional<KeyPair> keys;
+  std::string router_key;
+  try {
+    if (opt.key_file.empty() != opt.router_key.empty())
+      throw InputError("give --key and --router-key together (this server's keypair and the router's public key), or neither");
+    if (!opt.key_file.empty()) {
+      keys = read_keypair(opt.key_file);
+      router_key = read_public_key(opt.router_key);
+    }
+  } catch (const InputError& e) {
+    log_error("stage", e.what());
+    return 2;
+  }
+  const std::string routing_id = keys ? routing_id_of(keys->public_key) : random_id();
 
   zmq::context_t ctx(1);
   const auto t0 = Clock::now();
@@ -120,7 +133,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   Holdings holdings(opt.hold_bytes, /*held_ttl_s=*/600, opt.cache_ttl_s);
   std::unique_ptr<PeerLink> link;
   try {
-    link = std::make_unique<PeerLink>(ctx, opt.listen, opt.advertise, holdings, opt.fetch_timeout_s);
+    link = std::make_unique<PeerLink>(ctx, opt.listen, opt.advertise, holdings, opt.fetch_timeout_s, keys);
   } catch (const InputError& e) {
     log_error("stage", e.what());
     return 2;
@@ -148,6 +161,11 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   auto make_socket = [&]() {
     auto s = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
     s->set(zmq::sockopt::routing_id, routing_id);
+    if (keys) curve_client(*s, *keys, router_key);
+    // Never block the I/O loop: with no connection up (the router gone, or a handshake it
+    // refused) a DEALER's send would wait forever; the message is dropped instead, and the
+    // silence is noticed and reconnected as always.
+    s->set(zmq::sockopt::sndtimeo, 0);
     s->set(zmq::sockopt::linger, 0);
     s->set(zmq::sockopt::sndhwm, 100000);
     s->set(zmq::sockopt::rcvhwm, 100000);
@@ -156,8 +174,8 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   };
   std::unique_ptr<zmq::socket_t> sock = make_socket();
   auto send_frames = [&](Frames& frames) {
-    for (size_t i = 0; i < frames.size(); ++i)
-      sock->send(frames[i], i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    for (size_t i = 0; i < frames.size(); ++i)   // only the first part can fail; then none goes
+      if (!sock->send(frames[i], i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none)) return;
   };
   // Replies and error answers: the injected faults decide what actually leaves.
   auto answer = [&](Message& m) {
@@ -306,6 +324,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
           stop = true;
           break;
         case MsgType::kChaos: add_fault(m); break;
+        case MsgType::kPeerKeys: link->peer_keys(msg::read<msg::PeerKeys>(m)); break;
         case MsgType::kRelease:
           for (int64_t key : msg::read<msg::Release>(m).keys) holdings.release(uint64_t(key));
           break;
@@ -411,7 +430,8 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       // The router has declared us dead if the partition outlasted its window: rejoin at once.
       if (*cut_s > silent_s) reconnect("the partition outlasted the router's " + std::to_string(silent_s) + " s window");
     } else if (!faults.partitioned() && silence_s > silent_s + (welcomed ? 0 : backoff_s)) {
-      reconnect(std::string("router silent for ") + std::to_string(silent_s) + " s");
+      reconnect(std::string("router silent for ") + std::to_string(silent_s) + " s" +
+                (keys && !welcomed ? " (is this server's public key in the router's authorized file with role stage, and --router-key the router's?)" : ""));
     }
   }
   if (!faults.partitioned()) {

@@ -32,6 +32,10 @@ struct StageOptions {
   // one makes ("": nowhere; its tensors are relayed through the router), and the address they
   // should dial when it differs from the bound one (NAT, several interfaces).
   std::string listen, advertise;
+  // CURVE (docs/security.md): this server's keypair file and the router's public key (or a file
+  // holding it). With them the routing id derives from the key and every connection, to the
+  // router and to other stage servers, is encrypted and authenticated.
+  std::string key_file, router_key;
   double fetch_timeout_s = 30;         // a tensor that does not arrive from its holder in this long fails the hop
   size_t hold_bytes = size_t(4) << 30; // tensors kept for other peers at most [bytes]
   int heartbeat_ms = 500;

@@ -14,6 +14,7 @@
 #include "runtime/timing.h"
 #include "stages/attention.h"
 #include "stages/device_codec.h"
+#include "stages/liar.h"
 #include "stages/subspace.h"
 #include "stages/model.h"
 #include "stages/optim.h"
@@ -27,6 +28,9 @@ using wire::MsgType;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// The largest |value| a stage input may hold (docs/security.md).
+constexpr float kMaxActivationAbs = 1e5f;
 
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
@@ -76,6 +80,7 @@ struct Worker::Impl {
         }
         rep.body = msg::pack(r);
       }
+      if (fault_.lie && lie_about(rep)) log_warn("fault", std::string("lied in a ") + wire::msg_type_name(rep.type));
       return rep;
     } catch (const BadTensor& e) {
       stats_.errors++;
@@ -166,6 +171,7 @@ struct Worker::Impl {
     const StageFaults::Compute c = faults_.after_compute(int(fault_type_), fault_seq_, has_output(fault_type_));
     fault_.slow *= c.slow;
     fault_.nan = fault_.nan || c.nan;
+    fault_.lie = fault_.lie || c.lie;
   }
 
   // An output about to be encoded. Under a nan fault: all NaN and one +Inf, so that every codec
@@ -274,7 +280,13 @@ struct Worker::Impl {
         return x.to(model_->device());
       }
       torch::Tensor a = timed(codec_time_.act_dec, [&] { return decode_act(t); });
-      if (!torch::isfinite(a).all().item<bool>()) throw BadTensor(index, "non-finite values in the stage input");
+      // Finite and within bounds: an honest stage's output is a LayerNorm'd residual stream,
+      // orders of magnitude below kMaxActivationAbs; a liar's outsized values would blow up
+      // every stage after it.
+      const float amax = a.numel() ? a.abs().max().item<float>() : 0.f;
+      if (!std::isfinite(amax)) throw BadTensor(index, "non-finite values in the stage input");
+      if (amax > kMaxActivationAbs)
+        throw BadTensor(index, "stage input values up to " + std::to_string(amax) + ", over the bound " + std::to_string(kMaxActivationAbs));
       return a;
     } catch (const BadTensor&) {
       throw;
@@ -613,12 +625,16 @@ struct Worker::Impl {
     // This reducer's part of the round's values (all of them unless the round is cut in parts).
     const std::vector<int64_t> bounds = part_bounds(b.what == msg::RoundWhat::kGrad ? theta_g_.size() : hi - lo, b.shards);
     const size_t n = size_t(bounds[size_t(b.shard) + 1] - bounds[size_t(b.shard)]);
+    std::vector<std::vector<float>> ds;
+    for (size_t k = 0; k < req.tensors.size(); ++k) ds.push_back(flat_from_wire(req.tensors[k], int(k), n));
+    // No contribution steers the round alone: one larger than diloco::kClipFactor times the
+    // group's (lower) median norm is scaled down to that bound and reported.
+    const std::vector<size_t> clipped = diloco::clip_to_median(ds, b.weights);
     std::vector<float> sum;
     double total = 0;
-    for (size_t k = 0; k < req.tensors.size(); ++k) {
-      const std::vector<float> d = flat_from_wire(req.tensors[k], int(k), n);
+    for (size_t k = 0; k < ds.size(); ++k) {
       const bool grad = b.what == msg::RoundWhat::kGrad;
-      diloco::accumulate(sum, d.data(), n, grad ? 1.f : float(b.weights[k]));
+      diloco::accumulate(sum, ds[k].data(), n, grad ? 1.f : float(b.weights[k]));
       total += b.weights[k];
     }
     if (b.what == msg::RoundWhat::kDelta) {
@@ -629,6 +645,7 @@ struct Worker::Impl {
     msg::RoundReduced r;
     r.round = b.round;
     r.stage = stage_;
+    r.clipped.assign(clipped.begin(), clipped.end());
     Message rep = msg::make(r, req.id, req.attempt);
     std::string key = std::string("mean:") + msg::round_what_name(b.what) + ":" + std::to_string(b.fragment);
     if (b.shards > 1) key += ":" + std::to_string(bounds[size_t(b.shard)]) + "-" + std::to_string(bounds[size_t(b.shard) + 1]);

@@ -13,6 +13,7 @@ packages=(
   fortunes                             # the bundled example's training text
   python3-torch                        # tests/python/check_export.py: `swarm export` read back by PyTorch
   clang libclang-rt-14-dev             # libFuzzer + ASan/UBSan for tests/fuzz (docs/fuzzing.md); tools/test.sh smokes them
+  tcpdump                              # tests/integration/test_security.cpp: no plaintext on the wire under CURVE
 )
 
 missing=()

@@ -14,9 +14,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 #include <thread>
+
+#include "runtime/keys.h"
 
 namespace swarm {
 
@@ -28,6 +32,37 @@ std::string executable_dir() {
   if (n <= 0) return ".";
   std::string p(buf, size_t(n));
   return p.substr(0, p.rfind('/'));
+}
+
+const LocalKeys& local_keys() {
+  static LocalKeys k;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    char tmpl[] = "/tmp/swarm-keys-XXXXXX";
+    if (!mkdtemp(tmpl)) throw std::runtime_error("cannot make a folder for the local swarm's keys under /tmp");
+    k.dir = tmpl;
+    write_keypair(k.dir + "/router", generate_keypair());
+    write_keypair(k.dir + "/admin", generate_keypair());
+    k.router_key = k.dir + "/router.key";
+    k.router_pub = k.dir + "/router.pub";
+    k.admin_key = k.dir + "/admin.key";
+    k.admin_pub = k.dir + "/admin.pub";
+    std::atexit([] {
+      std::error_code ec;
+      std::filesystem::remove_all(k.dir, ec);
+    });
+  });
+  return k;
+}
+
+std::string LocalSwarm::add_key(const std::string& name, const std::string& role) {
+  std::lock_guard<std::recursive_mutex> l(mu_);
+  std::string base = keys_dir_ + "/" + name;
+  for (int n = 2; std::ifstream(base + ".key"); ++n) base = keys_dir_ + "/" + name + "." + std::to_string(n);
+  const KeyPair k = generate_keypair();
+  write_keypair(base, k);
+  std::ofstream(keys_dir_ + "/authorized", std::ios::app) << k.public_key << " " << role << " " << name << "\n";
+  return base + ".key";
 }
 
 LocalSwarm::LocalSwarm(std::string log_dir, std::string bin_dir)
@@ -67,6 +102,22 @@ void LocalSwarm::start_router(const std::vector<std::string>& extra_args) {
   const std::string ready = log_dir_ + "/router.addr";
   unlink(ready.c_str());
   router_args_ = {bin_dir_ + "/swarm-router", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready};
+  // This process's clients (tests, `swarm local` itself) talk to the router started last: as
+  // its admin, or without keys.
+  if (!secure_) {
+    unsetenv("SWARM_KEY");
+    unsetenv("SWARM_ROUTER_KEY");
+  }
+  if (secure_) {
+    const LocalKeys& k = local_keys();
+    setenv("SWARM_KEY", k.admin_key.c_str(), 1);
+    setenv("SWARM_ROUTER_KEY", k.router_pub.c_str(), 1);
+    keys_dir_ = log_dir_ + "/keys";
+    mkdir(keys_dir_.c_str(), 0700);
+    std::ofstream(keys_dir_ + "/authorized") << "# this local swarm's keys: KEY ROLE NAME\n"
+                                             << read_public_key(k.admin_pub) << " admin local-admin\n";
+    router_args_.insert(router_args_.end(), {"--key", k.router_key, "--authorized", keys_dir_ + "/authorized"});
+  }
   router_args_.insert(router_args_.end(), extra_args.begin(), extra_args.end());
   router_pid_ = spawn(router_args_, "router.log");
   for (int i = 0; i < 200; ++i) {
@@ -108,6 +159,9 @@ size_t LocalSwarm::start_stage(int stage, const std::string& name, int threads, 
   p.name = name;
   p.threads = threads;
   p.extra_args = extra_args;
+  // Its own key, kept across restarts: a restarted peer is the same party.
+  if (secure_ && std::find(extra_args.begin(), extra_args.end(), "--key") == extra_args.end())
+    p.extra_args.insert(p.extra_args.end(), {"--key", add_key(name, "stage"), "--router-key", local_keys().router_pub});
   stages_.push_back(p);
   restart_stage(stages_.size() - 1);
   return stages_.size() - 1;

@@ -55,8 +55,18 @@ class LocalSwarm {
   LocalSwarm(const LocalSwarm&) = delete;
   LocalSwarm& operator=(const LocalSwarm&) = delete;
 
-  // Starts the router on a free loopback port and waits until it listens.
+  // Starts the router on a free loopback port and waits until it listens. Unless set_secure(false)
+  // was called first, the swarm uses CURVE with throwaway keys (local_keys()): the router's,
+  // one per stage server (made when it starts, listed in <log_dir>/keys/authorized) and an
+  // admin key that this process's Clients use (SWARM_KEY and SWARM_ROUTER_KEY are set; without
+  // CURVE they are unset: clients follow the router started last).
   void start_router(const std::vector<std::string>& extra_args = {});
+  void set_secure(bool on) { secure_ = on; }
+  bool secure() const { return secure_; }
+  // A key of this swarm for a party of `role` (stage, client, admin) named `name`: made, listed
+  // in the authorized file (the router picks it up within a second), and returned as the path of
+  // its .key file.
+  std::string add_key(const std::string& name, const std::string& role);
   // Starts one stage server; returns its index in stages().
   size_t start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args = {});
   void kill_stage(size_t i, int sig);      // SIGKILL, SIGSTOP, SIGCONT, SIGTERM
@@ -82,6 +92,8 @@ class LocalSwarm {
  private:
   pid_t spawn(const std::vector<std::string>& argv, const std::string& log_name);
   std::string bin_dir_, log_dir_, endpoint_;
+  bool secure_ = true;
+  std::string keys_dir_;                   // <log_dir>/keys: stage keys and the authorized file
   pid_t router_pid_ = -1;
   int router_restarts_ = 0;
   std::vector<std::string> router_args_;
@@ -104,6 +116,13 @@ class LocalSwarm {
 
 // The directory holding the running executable (where swarm-router and swarm-stage live).
 std::string executable_dir();
+
+// This process's throwaway router and admin keys for local swarms (a private folder under /tmp,
+// made on first use; every LocalSwarm of the process shares them).
+struct LocalKeys {
+  std::string dir, router_key, router_pub, admin_key, admin_pub;
+};
+const LocalKeys& local_keys();
 
 struct FollowOptions {
   bool json = false;     // one JSON object per line instead of readable lines

@@ -27,6 +27,12 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(uint64_t(1), uint64_t(1) << 40));
   app.add_option("--max-peers", opt.core.max_peers, "stage servers registered at once")
       ->capture_default_str()->check(CLI::Range(size_t(1), size_t(1) << 20));
+  app.add_option("--key", opt.key_file, "the router's keypair (`swarm keygen --out router` makes router.key); turns CURVE on");
+  app.add_option("--authorized", opt.authorized_file,
+                 "the keys allowed in, a line each: PUBLIC_KEY ROLE NAME (ROLE: stage, client or admin); see docs/security.md");
+  app.add_flag("--insecure", opt.insecure, "listen on a non-loopback address without keys (a network you trust completely)");
+  app.add_option("--data-root", opt.data_roots,
+                 "a directory jobs may read data and --resume checkpoints from (repeatable); without one, jobs from other hosts read nothing");
   CLI11_PARSE(app, argc, argv);
   std::signal(SIGTERM, on_signal);
   std::signal(SIGINT, on_signal);

@@ -73,6 +73,8 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   app.add_option("--fault-plan", fault_plan, "inject the faults of a plan file {\"seed\": N, \"faults\": [...]}");
   CLI::Option* seed_opt = app.add_option("--fault-seed", fault_seed, "seed of the faults' random draws (default: the plan's, else 1)");
+  app.add_option("--key", opt.key_file, "this server's keypair (`swarm keygen --out NAME` makes NAME.key); turns CURVE on");
+  app.add_option("--router-key", opt.router_key, "the router's public key, or its .pub file (with --key)");
   CLI11_PARSE(app, argc, argv);
   opt.hold_bytes = hold_mb << 20;
   if (no_listen && !opt.listen.empty()) {

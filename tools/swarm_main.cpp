@@ -20,6 +20,7 @@
 #include "runtime/chaos_plan.h"
 #include "runtime/fault.h"
 #include "runtime/job_spec.h"
+#include "runtime/keys.h"
 #include "compression/codec.h"
 #include "stages/export.h"
 #include "stages/reference.h"
@@ -74,6 +75,14 @@ int hardware_threads() { return std::max(1, int(std::thread::hardware_concurrenc
 int main(int argc, char** argv) {
   CLI::App app{"swarm: train one model across many unreliable, unequal machines"};
   app.require_subcommand(1);
+  app.fallthrough();   // --key and --router-key may come after the subcommand
+  std::string key_file, router_key;
+  app.add_option("--key", key_file, "your keypair for a router that uses keys (default: $SWARM_KEY)");
+  app.add_option("--router-key", router_key, "the router's public key or .pub file (default: $SWARM_ROUTER_KEY)");
+
+  std::string keygen_out;
+  auto* keygen = app.add_subcommand("keygen", "make a keypair: NAME.key (secret, mode 0600) and NAME.pub (docs/security.md)");
+  keygen->add_option("--out", keygen_out, "NAME: the files to write (NAME.key, NAME.pub); never overwritten")->required();
 
   // swarm local
   std::string job_path, router, log_dir, resume, chaos_path, peer_id, fault_text;
@@ -138,8 +147,19 @@ int main(int argc, char** argv) {
   exp->add_flag("--json", as_json, "print JSON");
 
   CLI11_PARSE(app, argc, argv);
+  if (!key_file.empty()) setenv("SWARM_KEY", key_file.c_str(), 1);
+  if (!router_key.empty()) setenv("SWARM_ROUTER_KEY", router_key.c_str(), 1);
 
   try {
+    if (*keygen) {
+      const KeyPair k = generate_keypair();
+      write_keypair(keygen_out, k);
+      std::cout << "wrote " << keygen_out << ".key (secret: keep it on this host) and " << keygen_out << ".pub\n"
+                << "public key: " << k.public_key << "\n"
+                << "on the router, allow it with a line in the --authorized file:\n  " << k.public_key << " ROLE "
+                << std::filesystem::path(keygen_out).filename().string() << "   (ROLE: stage, client or admin)" << std::endl;
+      return 0;
+    }
     if (*local) {
       JobSpec spec = load_spec(job_path);
       const int n = spec.partition.stages * peers_per_stage;
@@ -163,7 +183,14 @@ int main(int argc, char** argv) {
       } catch (const InputError& e) {
         throw SpecError(std::string("--precision: ") + e.what());
       }
-      swarm.start_router();
+      // Jobs read data from the working directory down and from the folders of the data this
+      // job names (docs/security.md).
+      std::vector<std::string> roots = {"--data-root", std::filesystem::current_path().string()};
+      for (const std::string& p : spec.data.paths) {
+        const std::string folder = std::filesystem::absolute(p).parent_path().string();
+        if (std::find(roots.begin(), roots.end(), folder) == roots.end()) roots.insert(roots.end(), {"--data-root", folder});
+      }
+      swarm.start_router(roots);
       for (int s = 0; s < spec.partition.stages; ++s)
         for (int i = 0; i < peers_per_stage; ++i)
           swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads,
@@ -310,6 +337,9 @@ int main(int argc, char** argv) {
     return 3;
   } catch (const RouterError& e) {
     std::cerr << "swarm: the router refused: " << e.what() << std::endl;
+    return 2;
+  } catch (const InputError& e) {   // a key file, a flag: bad input
+    std::cerr << "swarm: " << e.what() << std::endl;
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "swarm: " << e.what() << std::endl;

@@ -1,0 +1,325 @@
+// test_security.cpp: only invited peers, on real processes (docs/security.md): a key that is not
+// listed gets nothing, roles limit what a key may do, no one takes over a live peer's identity,
+// jobs read and write files only where the router allows, the router will not listen on the
+// network without keys, and nothing crosses the wire in plaintext.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <set>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "runtime/client.h"
+#include "runtime/keys.h"
+#include "runtime/messages.h"
+#include "tests/integration/swarm_test_util.h"
+#include "tools/local_swarm.h"
+
+using namespace swarm;
+using namespace swarm::testing;
+using nlohmann::json;
+
+namespace {
+
+// A client session under another key (SWARM_KEY is what Client reads); the local admin's after.
+std::unique_ptr<Client> client_as(const std::string& router, const std::string& key_file, int timeout_ms = 3000) {
+  setenv("SWARM_KEY", key_file.c_str(), 1);
+  std::unique_ptr<Client> c;
+  try {
+    c = std::make_unique<Client>(router, timeout_ms);
+  } catch (...) {
+    setenv("SWARM_KEY", local_keys().admin_key.c_str(), 1);
+    throw;
+  }
+  setenv("SWARM_KEY", local_keys().admin_key.c_str(), 1);
+  return c;
+}
+
+// What the router answers `body` of `type` with: "" when it accepts, else the error's text.
+std::string refusal(Client& c, wire::MsgType type, const json& body) {
+  try {
+    c.request_body(type, body, 5000);
+    return "";
+  } catch (const RouterError& e) {
+    return e.name() + ": " + e.what();
+  }
+}
+
+// `text` as token ids of `width` bytes each (little-endian), as a stage 0 input carries it.
+std::string as_tokens(const std::string& text, size_t width) {
+  std::string out;
+  for (char ch : text) {
+    out += ch;
+    out.append(width - 1, '\0');
+  }
+  return out;
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+TEST(Security, KeysThatAreNotListedGetNothingAndRolesLimitTheRest) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  LocalSwarm swarm(dir, kBuild);
+  start_pipeline(swarm, 2);
+  const std::string router = swarm.router_endpoint();
+  const std::string alice = swarm.add_key("alice", "client"), bob = swarm.add_key("bob", "client");
+  const std::string intruder_stage = swarm.add_key("intruder", "stage");
+  write_keypair(dir + "/stranger", generate_keypair());   // never listed
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));   // the router reads the file again each second
+
+  // A stranger's connection is refused during the handshake: not even an error comes back.
+  EXPECT_THROW(client_as(router, dir + "/stranger.key", 1500), RouterUnreachable);
+  // A stage key may only serve.
+  try {
+    client_as(router, intruder_stage);
+    ADD_FAILURE() << "a stage key opened a client session";
+  } catch (const RouterError& e) {
+    EXPECT_EQ(e.name(), "forbidden");
+    EXPECT_NE(std::string(e.what()).find("may only serve"), std::string::npos) << e.what();
+  }
+
+  json spec = tiny_job(data, 2, 400, "async");
+  auto a = client_as(router, alice);
+  auto b = client_as(router, bob);
+  const uint64_t job = submit(*a, spec);
+  // Bob sees and cancels only his own jobs, and cannot inject faults.
+  EXPECT_NE(refusal(*b, wire::MsgType::kStatus, {{"job_id", job}}).find("forbidden: job " + std::to_string(job) + " belongs to another client"),
+            std::string::npos);
+  EXPECT_NE(refusal(*b, wire::MsgType::kCancel, {{"job_id", job}}).find("cancelling it needs the role admin"), std::string::npos);
+  EXPECT_NE(refusal(*b, wire::MsgType::kChaos, {{"peer", "s0"}, {"fault", "crash"}}).find("CHAOS needs the role admin"), std::string::npos);
+  EXPECT_EQ(b->request_body(wire::MsgType::kStatus, json::object())["state"], "none");   // no job of his
+  // The job runs on, untouched; its owner sees it and may cancel it.
+  EXPECT_EQ(refusal(*a, wire::MsgType::kStatus, {{"job_id", job}}), "");
+  EXPECT_EQ(a->request_body(wire::MsgType::kCancel, {{"job_id", job}})["state"], "cancelled");
+  // The admin (this process's key) may do everything, chaos included.
+  Client admin(router);
+  EXPECT_EQ(refusal(admin, wire::MsgType::kChaos, {{"peer", "s1"}, {"fault", "slow,factor=1"}}), "");
+  const json peers = admin.peers()["peers"];
+  EXPECT_EQ(peers.size(), 2u);
+}
+
+TEST(Security, NoOneRegistersAsOrTakesOverAnotherPeer) {
+  const std::string dir = temp_dir();
+  LocalSwarm swarm(dir, kBuild);
+  start_pipeline(swarm, 2);
+  const std::string router = swarm.router_endpoint();
+  const std::string victim = routing_id_of(read_public_key(dir + "/keys/s0.pub"));
+  const KeyPair thief = read_keypair(swarm.add_key("thief", "stage"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+
+  auto hello_from = [&](const std::string& routing_id) {
+    zmq::context_t ctx(1);
+    zmq::socket_t s(ctx, zmq::socket_type::dealer);
+    s.set(zmq::sockopt::linger, 0);
+    s.set(zmq::sockopt::routing_id, routing_id);
+    curve_client(s, thief, read_public_key(local_keys().router_pub));
+    s.connect(router);
+    msg::Hello h;
+    h.role = msg::Role::kStage;
+    h.version = wire::kVersion;
+    h.name = "s0";
+    wire::Message m = msg::make(h, 1);
+    wire::send(s, m);
+    std::string answer = "nothing";
+    zmq::pollitem_t items[] = {{s.handle(), 0, ZMQ_POLLIN, 0}};
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (std::chrono::steady_clock::now() < until) {
+      zmq::poll(items, 1, std::chrono::milliseconds(100));
+      if (!(items[0].revents & ZMQ_POLLIN)) continue;
+      auto r = wire::recv_frames(s, false, zmq::recv_flags::none);
+      wire::Message rep = wire::decode(r->frames);
+      if (rep.type == wire::MsgType::kHeartbeat) continue;
+      if (rep.type == wire::MsgType::kWelcome) return std::string("welcome");
+      return std::string("error: ") + msg::read<msg::Error>(rep).message;
+    }
+    return answer;
+  };
+  // The victim's id is in use by its own connection: the thief's is turned away.
+  EXPECT_EQ(hello_from(victim), "nothing");
+  // Under an id of its choosing, the router says whose it must be.
+  const std::string own_choice = hello_from("k-000000000000000000000000");
+  EXPECT_NE(own_choice.find("must be " + routing_id_of(thief.public_key)), std::string::npos) << own_choice;
+  // The victim is still registered, as itself.
+  Client admin(router);
+  bool found = false;
+  const json peers = admin.peers()["peers"];
+  for (const auto& p : peers) found |= p["id"] == victim && p["name"] == "s0";
+  EXPECT_TRUE(found) << victim << " " << peers.dump();
+}
+
+TEST(Security, JobsReadAndWriteOnlyWhereTheRouterAllows) {
+  const std::string dir = temp_dir();
+  mkdir((dir + "/data").c_str(), 0755);
+  const std::string good = write_text(dir + "/data");
+  const std::string outside = write_text(dir);
+  mkfifo((dir + "/data/fifo").c_str(), 0644);
+  symlink("/etc/shadow", (dir + "/data/shadow").c_str());
+  LocalSwarm swarm(dir, kBuild);
+  start_pipeline(swarm, 2, {"--data-root", dir + "/data", "--state-dir", dir + "/state"});
+  Client c(swarm.router_endpoint());
+  auto refused = [&](json spec) {
+    try {
+      submit(c, spec);
+      return std::string();
+    } catch (const RouterError& e) {
+      return std::string(e.what());
+    }
+  };
+  auto with_data = [&](const std::string& path) { return tiny_job(path, 2, 2, "sync"); };
+  EXPECT_NE(refused(with_data("/dev/zero")).find("data.path \"/dev/zero\" is outside the router's allowed directories"), std::string::npos);
+  EXPECT_NE(refused(with_data("/etc/shadow")).find("outside the router's allowed directories"), std::string::npos);
+  EXPECT_NE(refused(with_data(dir + "/data/shadow")).find("outside the router's allowed directories"), std::string::npos);  // a symlink out
+  EXPECT_NE(refused(with_data(outside)).find("outside the router's allowed directories (" + dir + "/data)"), std::string::npos);
+  EXPECT_NE(refused(with_data(dir + "/data/fifo")).find("not a regular file"), std::string::npos);
+  json ckpt = with_data(good);
+  ckpt["checkpoint"] = {{"dir", dir + "/elsewhere"}};
+  EXPECT_NE(refused(ckpt).find("checkpoint.dir \"" + dir + "/elsewhere\" is outside"), std::string::npos);
+  try {
+    submit(c, with_data(good), "/etc");
+    ADD_FAILURE() << "--resume /etc accepted";
+  } catch (const RouterError& e) {
+    EXPECT_NE(std::string(e.what()).find("--resume \"/etc\" is outside"), std::string::npos) << e.what();
+  }
+  ckpt["checkpoint"] = {{"dir", dir + "/state/mine"}};
+  EXPECT_EQ(refused(ckpt), "");   // under the state dir: fine
+  EXPECT_EQ(refused(with_data(good)), "");
+}
+
+TEST(Security, TheRouterWillNotListenOnTheNetworkWithoutKeys) {
+  const auto [code, out] = run(kBuild + "/swarm-router --bind tcp://0.0.0.0:0");
+  EXPECT_NE(code, 0);
+  EXPECT_NE(out.find("swarm keygen --out router"), std::string::npos) << out;
+  EXPECT_NE(out.find("--insecure"), std::string::npos) << out;
+  const std::string dir = temp_dir();
+  const auto [k1, o1] = run(kBuild + "/swarm keygen --out " + dir + "/me");
+  EXPECT_EQ(k1, 0) << o1;
+  EXPECT_NE(o1.find(read_public_key(dir + "/me.pub")), std::string::npos);
+  const auto [k2, o2] = run(kBuild + "/swarm keygen --out " + dir + "/me");
+  EXPECT_EQ(k2, 2);
+  EXPECT_NE(o2.find("exists"), std::string::npos) << o2;
+}
+
+// Everything on the router's and the stage servers' ports during a job, captured on loopback:
+// with keys, no job spec, no training text, no tensor description; without (the control, which
+// shows the capture sees the traffic), all of them.
+TEST(Security, NothingCrossesTheWireInPlaintext) {
+  if (geteuid() != 0 || run("command -v tcpdump").first != 0) GTEST_SKIP() << "needs root and tcpdump (tools/install-deps.sh)";
+  for (const bool secure : {true, false}) {
+    const std::string dir = temp_dir();
+    const std::string data = write_text(dir);
+    std::string pcap;
+    {
+      LocalSwarm swarm(dir, kBuild);
+      swarm.set_secure(secure);
+      start_pipeline(swarm, 2);
+      Client c(swarm.router_endpoint());
+      std::string ports = "port " + swarm.router_endpoint().substr(swarm.router_endpoint().rfind(':') + 1);
+      for (const auto& p : c.peers()["peers"]) {
+        const std::string listen = p["listen"];
+        if (!listen.empty()) ports += " or port " + listen.substr(listen.rfind(':') + 1);
+      }
+      const pid_t dump = fork();
+      if (dump == 0) {
+        execlp("tcpdump", "tcpdump", "-i", "lo", "-U", "-s", "0", "-w", (dir + "/cap.pcap").c_str(), ports.c_str(), nullptr);
+        _exit(127);
+      }
+      std::this_thread::sleep_for(std::chrono::seconds(2));   // tcpdump is listening
+      json spec = tiny_job(data, 2, 6, "sync");
+      spec["name"] = "canary-job-name-8c1f";
+      const uint64_t id = submit(c, spec);
+      for (int i = 0; i < 600 && c.request_body(wire::MsgType::kStatus, {{"job_id", id}})["state"] != "done"; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      kill(dump, SIGINT);
+      waitpid(dump, nullptr, 0);
+      pcap = read_all(dir + "/cap.pcap");
+    }
+    ASSERT_GT(pcap.size(), 100000u) << "the capture saw no job";
+    const bool spec_seen = pcap.find("canary-job-name-8c1f") != std::string::npos;
+    bool text_seen = false;
+    for (const char* line : {"the quick brown fox", "a stitch in time", "the early bird"})
+      for (size_t width : {1, 2, 4}) text_seen |= pcap.find(as_tokens(line, width)) != std::string::npos;
+    const bool tensors_seen = pcap.find("xxh64") != std::string::npos;   // in every plaintext tensor description
+    EXPECT_EQ(spec_seen, !secure) << (secure ? "the job spec crossed the wire in plaintext" : "control: capture missed the spec");
+    EXPECT_EQ(tensors_seen, !secure) << (secure ? "tensor descriptions crossed in plaintext" : "control: capture missed tensors");
+    EXPECT_EQ(text_seen, !secure) << (secure ? "training text crossed the wire in plaintext" : "control: capture missed the tokens");
+  }
+}
+
+namespace {
+
+struct ByzantineRun {
+  json status, peers;
+};
+
+// Two stages, two honest peers each and, with `liar`, a third that lies in every way the `lie`
+// fault knows (docs/faults.md): a wrong parameter count on its first load, 10^15 samples and
+// outsized outer gradients in every round, a false state hash after every outer step, negative
+// second moments as a donor, and, from its 40th step, outsized activations.
+ByzantineRun run_byzantine(const std::string& dir, const std::string& data, bool liar) {
+  LocalSwarm swarm(dir, kBuild);
+  swarm.start_router();
+  for (int s = 0; s < 2; ++s)
+    for (int i = 0; i < 2; ++i) swarm.start_stage(s, "h" + std::to_string(s) + "-" + std::to_string(i), 1);
+  if (liar)
+    for (int s = 0; s < 2; ++s)
+      swarm.start_stage(s, "liar" + std::to_string(s), 1,
+                        {"--fault", "lie,on=load_stage,count=1", "--fault", "lie,on=round_begin", "--fault", "lie,on=round_apply",
+                         "--fault", "lie,on=state_request", "--fault", "lie,on=forward,step=40"});
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, liar ? 6 : 4);
+  json spec = tiny_job(data, 2, 240, "sync");
+  const uint64_t id = submit(c, spec);
+  ByzantineRun r;
+  for (int i = 0; i < 3000; ++i) {
+    r.status = c.request_body(wire::MsgType::kStatus, {{"job_id", id}});
+    const std::string state = r.status["state"];
+    if (state == "done" || state == "failed" || state == "cancelled") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  r.peers = c.peers()["peers"];
+  return r;
+}
+
+}  // namespace
+
+TEST(Security, ALyingPeerIsCaughtAndTheJobTrainsAsWithoutIt) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  const ByzantineRun lied = run_byzantine(dir + "/liar", data, true);
+  const ByzantineRun honest = run_byzantine(dir + "/honest", data, false);
+  ASSERT_EQ(lied.status["state"], "done") << lied.status.dump();
+  ASSERT_EQ(honest.status["state"], "done") << honest.status.dump();
+  EXPECT_EQ(lied.status["microbatches"]["lost"], 0);
+  // The liars are quarantined; no honest peer is banned, quarantined or blamed.
+  std::set<std::string> quarantined;
+  for (const auto& q : lied.status["quarantined"]) quarantined.insert(q["peer"].get<std::string>());
+  EXPECT_FALSE(quarantined.empty()) << lied.status["quarantined"].dump();
+  for (const std::string& q : quarantined) EXPECT_EQ(q.rfind("liar", 0), 0u) << "honest peer " << q << " quarantined";
+  for (const auto& p : lied.peers) {
+    const std::string name = p["name"];
+    if (name.rfind("liar", 0) == 0) continue;
+    EXPECT_EQ(p["integrity_failures"], 0) << name;
+    EXPECT_NE(p["state"], "quarantined") << name;
+  }
+  // Its outsized outer gradients were clipped, not averaged in.
+  const json clipped = lied.status.value("clipped", json::object());
+  EXPECT_TRUE(clipped.contains("liar0") || clipped.contains("liar1")) << clipped.dump();
+  for (const auto& [name, n] : clipped.items()) EXPECT_EQ(name.rfind("liar", 0), 0u) << "honest " << name << " clipped";
+  const double v = lied.status["val_loss"].get<double>(), b = honest.status["val_loss"].get<double>();
+  EXPECT_LT(std::abs(v / b - 1.0), 0.02) << "val loss " << v << " with liars, " << b << " without; rounds " << lied.status["rounds"]
+                                          << ", hash mismatches " << lied.status["hash_mismatches"] << ", quarantined "
+                                          << lied.status["quarantined"].dump() << ", microbatches " << lied.status["microbatches"].dump();
+}

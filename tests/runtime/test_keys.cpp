@@ -1,0 +1,94 @@
+// test_keys.cpp: keypair files, the authorized file, routing ids from keys, and the bound on a
+// round's contributions (runtime/keys.h, runtime/diloco.h).
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "runtime/diloco.h"
+#include "runtime/errors.h"
+#include "runtime/keys.h"
+
+using namespace swarm;
+
+namespace {
+
+std::string temp_dir() {
+  char tmpl[] = "/tmp/swarm-keys-test-XXXXXX";
+  return mkdtemp(tmpl);
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Keys, AKeypairIsWrittenPrivateReadBackAndNeverOverwritten) {
+  const std::string dir = temp_dir();
+  const KeyPair k = generate_keypair();
+  write_keypair(dir + "/a", k);
+  struct stat st {};
+  ASSERT_EQ(::stat((dir + "/a.key").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  const KeyPair back = read_keypair(dir + "/a");
+  EXPECT_EQ(back.public_key, k.public_key);
+  EXPECT_EQ(back.secret_key, k.secret_key);
+  EXPECT_EQ(read_public_key(dir + "/a.pub"), k.public_key);
+  EXPECT_EQ(read_public_key(k.public_key), k.public_key);
+  EXPECT_NE(message_of([&] { write_keypair(dir + "/a", generate_keypair()); }).find("exists"), std::string::npos);
+  // A secret others can read is refused, with the fix.
+  chmod((dir + "/a.key").c_str(), 0644);
+  EXPECT_NE(message_of([&] { read_keypair(dir + "/a.key"); }).find("chmod 600"), std::string::npos);
+}
+
+TEST(Keys, TheAuthorizedFileSaysWhichLineIsWrong) {
+  const std::string dir = temp_dir();
+  const KeyPair a = generate_keypair(), b = generate_keypair();
+  std::ofstream(dir + "/ok") << "# comment\n\n" << a.public_key << " stage gpu-box-1\n" << b.public_key << " admin\n";
+  const std::vector<Authorized> list = read_authorized(dir + "/ok");
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_EQ(list[0].role, Role::kStage);
+  EXPECT_EQ(list[0].name, "gpu-box-1");
+  EXPECT_EQ(list[1].role, Role::kAdmin);
+  EXPECT_EQ(list[1].name, b.public_key.substr(0, 8));
+  std::ofstream(dir + "/role") << a.public_key << " root someone\n";
+  EXPECT_NE(message_of([&] { read_authorized(dir + "/role"); }).find(":1: role \"root\""), std::string::npos);
+  std::ofstream(dir + "/key") << "# x\nnot-a-key client bob\n";
+  EXPECT_NE(message_of([&] { read_authorized(dir + "/key"); }).find(":2: expected `KEY ROLE NAME`"), std::string::npos);
+  std::ofstream(dir + "/twice") << a.public_key << " stage x\n" << a.public_key << " admin y\n";
+  EXPECT_NE(message_of([&] { read_authorized(dir + "/twice"); }).find("listed twice"), std::string::npos);
+}
+
+TEST(Keys, ARoutingIdIsTheKeysOwn) {
+  const KeyPair a = generate_keypair(), b = generate_keypair();
+  EXPECT_EQ(routing_id_of(a.public_key), routing_id_of(a.public_key));
+  EXPECT_NE(routing_id_of(a.public_key), routing_id_of(b.public_key));
+  EXPECT_EQ(routing_id_of(a.public_key).rfind("k-", 0), 0u);
+}
+
+TEST(Clip, AnOutsizedContributionIsScaledToTheBoundAndReported) {
+  std::vector<std::vector<float>> ds = {{1, 0}, {0, 1.2f}, {1e6f, 1e6f}};
+  const std::vector<size_t> clipped = diloco::clip_to_median(ds, {1, 1, 1e15});
+  ASSERT_EQ(clipped, std::vector<size_t>{2});
+  const double norm = std::hypot(ds[2][0], ds[2][1]);
+  EXPECT_NEAR(norm, diloco::kClipFactor * 1.2, 1e-4);   // the lower median of {1, 1.2, 1.4e6} is 1.2
+  EXPECT_EQ(ds[0], (std::vector<float>{1, 0}));          // honest ones untouched
+  // Two peers: the lower median is the smaller norm, so the larger one cannot run away.
+  std::vector<std::vector<float>> two = {{1, 0}, {0, 100}};
+  EXPECT_EQ(diloco::clip_to_median(two, {1, 1}), std::vector<size_t>{1});
+  // Non-finite values become zeros; a lone contribution is never clipped (one peer: exact).
+  std::vector<std::vector<float>> nan = {{1, 0}, {0, 1}, {NAN, 0}};
+  EXPECT_EQ(diloco::clip_to_median(nan, {1, 1, 1}), std::vector<size_t>{2});
+  EXPECT_EQ(nan[2], (std::vector<float>{0, 0}));
+  std::vector<std::vector<float>> one = {{1e9f}};
+  EXPECT_TRUE(diloco::clip_to_median(one, {1}).empty());
+}
