@@ -1,4 +1,5 @@
-// server.cpp: implements router/server.h: the socket loop, the clock, and the disk thread.
+// server.cpp: implements router/server.h: the socket loop, the clock, the disk thread, and the
+// pages published for the HTTP server.
 #include "router/server.h"
 
 #include <chrono>
@@ -12,7 +13,9 @@
 #include <thread>
 #include <variant>
 
+#include "router/dashboard.h"
 #include "runtime/fs.h"
+#include "runtime/http.h"
 #include "runtime/limits.h"
 #include "runtime/text.h"
 
@@ -69,6 +72,10 @@ struct Server::Impl {
   bool disk_stop = false;
   std::thread disk;
 
+  // --http: the pages the loop publishes, and the server that serves them (destroyed first).
+  http::Publisher pages;
+  std::unique_ptr<http::Server> http_server;
+
   explicit Impl(ServerOptions o) : opt(std::move(o)), core(opt.core) {
     sock.set(zmq::sockopt::router_mandatory, 1);
     sock.set(zmq::sockopt::router_handover, 1);
@@ -80,12 +87,19 @@ struct Server::Impl {
     sock.bind(opt.bind);
     endpoint = sock.get(zmq::sockopt::last_endpoint);
     if (endpoint.rfind("tcp://0.0.0.0:", 0) == 0) endpoint = "tcp://127.0.0.1:" + endpoint.substr(14);
-    if (!opt.ready_file.empty()) fs_util::write_file_atomic(opt.ready_file, endpoint + "\n", "the ready file");
+    if (!opt.http.empty()) {
+      http_server = std::make_unique<http::Server>(opt.http, pages, dashboard_html());
+      log_info("router", "dashboard at " + http_server->url() + "/, metrics at " + http_server->url() + "/metrics");
+    }
+    if (!opt.ready_file.empty())
+      fs_util::write_file_atomic(opt.ready_file, endpoint + "\n" + (http_server ? http_server->url() + "\n" : ""), "the ready file");
     log_info("router", "listening on " + endpoint);
     disk = std::thread([this] { disk_loop(); });
   }
 
   ~Impl() {
+    pages.stop();
+    http_server.reset();
     {
       std::lock_guard<std::mutex> l(mu);
       disk_stop = true;
@@ -157,11 +171,13 @@ struct Server::Impl {
     CheckpointWritten r;
     r.job = w.job;
     r.step = w.checkpoint->step;
+    const auto t = Clock::now();
     try {
       r.path = write_checkpoint(w.dir, *w.checkpoint, w.keep);
     } catch (const std::exception& e) {
       r.error = e.what();
     }
+    r.write_s = std::chrono::duration<double>(Clock::now() - t).count();
     return r;
   }
 
@@ -173,7 +189,7 @@ struct Server::Impl {
       if (auto* s = std::get_if<Send>(&a)) {
         if (!wire::send(sock, s->msg, &s->to)) unreachable.insert(s->to);
       } else if (auto* lg = std::get_if<Log>(&a)) {
-        log_line(lg->level, "router", lg->text);
+        log_line(lg->level, "router", lg->text, LogFields{lg->job ? lg->job : core.active_job(), lg->peer});
       } else {
         std::lock_guard<std::mutex> l(mu);
         if (auto* f = std::get_if<WriteFile>(&a)) {
@@ -234,6 +250,29 @@ struct Server::Impl {
     }
   }
 
+  // The pages of every route at this moment, for the HTTP threads (runtime/http.h): built here,
+  // on the loop, only when a request asked for fresher ones.
+  void publish() {
+    const double t = now();
+    auto dump = [](const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); };
+    http::Pages p;
+    const RouterMetrics m = core.metrics(t);
+    p.metrics = exposition(m);
+    p.status = dump(core.status_json(std::nullopt, t));
+    // `swarm peers --json`: every page of PEERS, as the client joins them.
+    nlohmann::json all = nlohmann::json::array();
+    const size_t total = core.registry().size();
+    while (all.size() < total) {
+      nlohmann::json page = core.peers_json(all.size(), limits::kMaxPeersPerReply, t);
+      if (page["peers"].empty()) break;
+      for (auto& e : page["peers"]) all.push_back(std::move(e));
+    }
+    p.peers = dump({{"peers", std::move(all)}, {"total", total}});
+    p.targets = dump(http_targets(m.peers));
+    for (const Event& e : core.events_since(0, Events::kKeep)) p.events.push_back({e.seq, event_kind_name(e.kind), dump(to_json(e))});
+    pages.publish(std::move(p));
+  }
+
   void run(std::atomic<bool>& stop) {
     execute(core.restore(read_state_dir(opt.core.state_dir), now()));
     while (!stop) {
@@ -253,6 +292,7 @@ struct Server::Impl {
       }
       drain_disk();
       execute(core.tick(now()));
+      if (http_server && pages.wanted()) publish();
     }
     execute(core.shutdown(now()));
   }
@@ -261,6 +301,7 @@ struct Server::Impl {
 Server::Server(ServerOptions opt) : impl_(std::make_unique<Impl>(std::move(opt))) {}
 Server::~Server() = default;
 std::string Server::endpoint() const { return impl_->endpoint; }
+std::string Server::http_url() const { return impl_->http_server ? impl_->http_server->url() : ""; }
 void Server::run(std::atomic<bool>& stop) { impl_->run(stop); }
 
 }  // namespace swarm::router
