@@ -55,7 +55,8 @@ class LocalSwarm {
   LocalSwarm(const LocalSwarm&) = delete;
   LocalSwarm& operator=(const LocalSwarm&) = delete;
 
-  // Starts the router on a free loopback port and waits until it listens.
+  // Starts the router on a free loopback port and waits until it listens. With "--http ADDR" among
+  // the arguments, http_url() is where it serves the dashboard and /metrics.
   void start_router(const std::vector<std::string>& extra_args = {});
   // Starts one stage server; returns its index in stages().
   size_t start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args = {});
@@ -76,12 +77,17 @@ class LocalSwarm {
   std::vector<ChaosRecord> chaos_log() const;
 
   const std::string& router_endpoint() const { return endpoint_; }
+  const std::string& http_url() const { return http_url_; }   // "" unless the router serves HTTP
+  // --log-format for the router and the stage servers started from now on ("" leaves their default).
+  void set_log_format(const std::string& format) { log_format_ = format; }
   const std::string& log_dir() const { return log_dir_; }
   std::vector<StageProc>& stages() { return stages_; }
 
  private:
   pid_t spawn(const std::vector<std::string>& argv, const std::string& log_name);
-  std::string bin_dir_, log_dir_, endpoint_;
+  std::string bin_dir_, log_dir_, endpoint_, http_url_, log_format_;
+  // Waits for the router's ready file: its endpoint, and its HTTP URL when it serves one.
+  void wait_ready(const std::string& ready, const std::string& log_name);
   pid_t router_pid_ = -1;
   int router_restarts_ = 0;
   std::vector<std::string> router_args_;
