@@ -81,18 +81,6 @@ Slot Ctx::take_reply_tensor(const PeerId& from, uint64_t pd_id, wire::Message& m
   throw WireError(WireErrc::kMalformed, "a reply mixes held and sent tensors");
 }
 
-void Ctx::event(EventKind kind, LogLevel level, std::string text, uint64_t job, const Peer* peer, int stage) {
-  Event e;
-  e.t_s = now;
-  e.kind = kind;
-  e.job = job;
-  e.stage = stage;
-  if (peer) e.peer = peer->hello.name;
-  if (level != LogLevel::kDebug) out.push_back(Log{level, text, job, e.peer});
-  e.text = std::move(text);
-  events.add(std::move(e));
-}
-
 double Ctx::deadline_for(const Peer& p, double cap_s) const {
   if (p.ms_per_unit <= 0) return std::min(cap_s, 10.0);
   return timing::deadline_s((p.queued_units + 3.0) * p.ms_per_unit / 1000.0, cap_s);

@@ -1,7 +1,9 @@
-// events.cpp: the core's event ring (events.h).
+// events.cpp: the core's event ring (events.h), and Ctx::event, which records and logs one.
 #include "router/events.h"
 
 #include <algorithm>
+
+#include "router/job.h"
 
 namespace swarm::router {
 
@@ -41,6 +43,18 @@ std::vector<Event> Events::since(uint64_t seq, size_t max) const {
   size_t from = seq < kept_.front().seq ? 0 : size_t(seq - kept_.front().seq + 1);
   from = std::max(from, kept_.size() > max ? kept_.size() - max : size_t(0));
   return std::vector<Event>(kept_.begin() + long(from), kept_.end());
+}
+
+void Ctx::event(EventKind kind, LogLevel level, std::string text, uint64_t job, const Peer* peer, int stage) {
+  Event e;
+  e.t_s = now;
+  e.kind = kind;
+  e.job = job;
+  e.stage = stage;
+  if (peer) e.peer = peer->hello.name;
+  if (level != LogLevel::kDebug) out.push_back(Log{level, text, job, e.peer});
+  e.text = std::move(text);
+  events.add(std::move(e));
 }
 
 }  // namespace swarm::router

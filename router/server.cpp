@@ -14,6 +14,7 @@
 #include <variant>
 
 #include "router/dashboard.h"
+#include "router/http_pages.h"
 #include "runtime/fs.h"
 #include "runtime/http.h"
 #include "runtime/limits.h"
@@ -250,29 +251,6 @@ struct Server::Impl {
     }
   }
 
-  // The pages of every route at this moment, for the HTTP threads (runtime/http.h): built here,
-  // on the loop, only when a request asked for fresher ones.
-  void publish() {
-    const double t = now();
-    auto dump = [](const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); };
-    http::Pages p;
-    const RouterMetrics m = core.metrics(t);
-    p.metrics = exposition(m);
-    p.status = dump(core.status_json(std::nullopt, t));
-    // `swarm peers --json`: every page of PEERS, as the client joins them.
-    nlohmann::json all = nlohmann::json::array();
-    const size_t total = core.registry().size();
-    while (all.size() < total) {
-      nlohmann::json page = core.peers_json(all.size(), limits::kMaxPeersPerReply, t);
-      if (page["peers"].empty()) break;
-      for (auto& e : page["peers"]) all.push_back(std::move(e));
-    }
-    p.peers = dump({{"peers", std::move(all)}, {"total", total}});
-    p.targets = dump(http_targets(m.peers));
-    for (const Event& e : core.events_since(0, Events::kKeep)) p.events.push_back({e.seq, event_kind_name(e.kind), dump(to_json(e))});
-    pages.publish(std::move(p));
-  }
-
   void run(std::atomic<bool>& stop) {
     execute(core.restore(read_state_dir(opt.core.state_dir), now()));
     while (!stop) {
@@ -292,7 +270,7 @@ struct Server::Impl {
       }
       drain_disk();
       execute(core.tick(now()));
-      if (http_server && pages.wanted()) publish();
+      if (http_server && pages.wanted()) pages.publish(http_pages(core, now()));   // only when a request asked
     }
     execute(core.shutdown(now()));
   }
