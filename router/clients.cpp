@@ -111,7 +111,11 @@ void RouterCore::Impl::on_loaded(Ctx& c, JobLoaded r) {
 
 nlohmann::json RouterCore::Impl::status_of(const Job* j, double now) const {
   nlohmann::json body = j ? j->status(peers, now) : nlohmann::json{{"state", "none"}};
-  body["router"] = {{"peers", peers.size()}, {"jobs", jobs.size()}, {"bad_messages", bad_messages}};
+  body["router"] = {{"peers", peers.size()}, {"jobs", jobs.size()}, {"bad_messages", bad_messages}, {"uptime_s", now}};
+  // The newest events (router/events.h), the dashboard's timeline; /api/events streams them all.
+  nlohmann::json ev = nlohmann::json::array();
+  for (const Event& e : events.since(0, kStatusEvents)) ev.push_back(to_json(e));
+  body["events"] = std::move(ev);
   return body;
 }
 
@@ -163,7 +167,8 @@ void RouterCore::Impl::on_chaos(Ctx& c, const PeerId& from, const wire::Message&
   msg::Chaos fwd;
   fwd.fault = to_json(spec);
   c.send(target->id, msg::make(fwd, requests.reserve_id()));
-  c.warn("chaos: fault " + to_string(spec) + " sent to peer " + target->hello.name);
+  c.event(EventKind::kFault, LogLevel::kWarn, "chaos: fault " + to_string(spec) + " sent to peer " + target->hello.name, target->job_id,
+          target, target->stage);
   msg::ChaosReply rep;
   rep.peer = target->id;
   rep.name = target->hello.name;
@@ -176,6 +181,51 @@ nlohmann::json RouterCore::status_json(std::optional<uint64_t> job, double now) 
   for (const auto& q : impl_->jobs)
     if (!job || q->id() == *job) j = q.get();
   return impl_->status_of(j, now);
+}
+
+RouterMetrics RouterCore::metrics(double now) const {
+  const Impl& I = *impl_;
+  RouterMetrics m;
+  m.uptime_s = now;
+  m.bad_messages = I.bad_messages;
+  m.bans = I.peers.bans_total();
+  m.clients = I.clients.size();
+  m.jobs = I.jobs.size();
+  for (const auto& [id, p] : I.peers.all()) {
+    PeerMetrics pm;
+    pm.id = id;
+    pm.name = p.hello.name;
+    pm.state = peer_state_name(p.state);
+    pm.device = p.hello.device_name.empty() ? p.hello.device : p.hello.device_name;
+    pm.label = !p.hello.profile.empty() ? p.hello.profile : p.hello.emulate > 1 ? std::to_string(p.hello.emulate) + "x" : "";
+    pm.metrics_url = p.hello.metrics;
+    pm.stage = p.stage;
+    pm.seconds_per_unit = p.ms_per_unit / 1000;
+    pm.queued_units = p.queued_units;
+    pm.inbox = p.heartbeat.queue;
+    pm.heartbeat_age_s = std::max(0.0, now - p.last_seen_s);
+    pm.results = p.results;
+    pm.failures = p.failures;
+    pm.timeouts = p.timeouts;
+    pm.integrity_failures = p.integrity_failures;
+    pm.banned = I.peers.banned(p, now);
+    pm.relayed = !p.can_hold();
+    m.peers.push_back(std::move(pm));
+  }
+  // The job `swarm status` shows without --job: the newest.
+  if (!I.jobs.empty()) {
+    m.has_job = true;
+    I.jobs.back()->metrics(m.job, I.peers, now);
+  }
+  return m;
+}
+
+std::vector<Event> RouterCore::events_since(uint64_t seq, size_t max) const { return impl_->events.since(seq, max); }
+
+uint64_t RouterCore::active_job() const {
+  for (const auto& j : impl_->jobs)
+    if (j->active()) return j->id();
+  return 0;
 }
 
 nlohmann::json RouterCore::peers_json(size_t offset, size_t limit, double now) const {
@@ -193,7 +243,7 @@ nlohmann::json RouterCore::peers_json(size_t offset, size_t limit, double now) c
                     {"stage", p.stage}, {"requested_stage", p.hello.stage}, {"preferred_stage", p.hello.prefer_stage},
                     {"state", peer_state_name(p.state)}, {"job_id", p.job_id}, {"emulate", p.hello.emulate},
                     {"profile", p.hello.profile}, {"echo", p.hello.echo}, {"ms_per_unit", p.ms_per_unit},
-                    {"listen", p.hello.listen}, {"relayed", !p.can_hold()},
+                    {"listen", p.hello.listen}, {"relayed", !p.can_hold()}, {"metrics", p.hello.metrics},
                     {"queued_units", p.queued_units}, {"results", p.results}, {"failures", p.failures},
                     {"integrity_failures", p.integrity_failures}, {"timeouts", p.timeouts},
                     {"banned_s", std::max(0.0, p.banned_until_s - now)}, {"last_seen_s", now - p.last_seen_s},

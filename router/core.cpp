@@ -108,7 +108,7 @@ MsgType reply_type(ReqKind k) {
 void RouterCore::Impl::peer_dead(Ctx& c, const PeerId& id, const std::string& why) {
   Peer* p = peers.find(id);
   if (!p) return;
-  c.warn("peer " + p->hello.name + " (" + id + ") is gone: " + why);
+  c.event(EventKind::kFault, LogLevel::kWarn, "peer " + p->hello.name + " (" + id + ") is gone: " + why, p->job_id, p, p->stage);
   const Peer gone = *p;
   peers.remove(id);
   withdraw_key(c, gone);
@@ -157,10 +157,11 @@ void RouterCore::Impl::on_hello(Ctx& c, const PeerId& from, const wire::Message&
   w.heartbeat_ms = opt.heartbeat_ms;
   w.liveness = opt.liveness;
   c.send(from, msg::make(w, m.id));
-  c.info("peer " + p.hello.name + " (" + from + ") joined" +
-         (h.stage >= 0 ? " asking for stage " + std::to_string(h.stage) : "") +
-         (h.stage < 0 && h.prefer_stage >= 0 ? " preferring stage " + std::to_string(h.prefer_stage) : "") +
-         (h.emulate > 1 ? " [emulated " + std::to_string(h.emulate) + "x slower]" : "") + (who.authenticated ? " with " + as : ""));
+  c.event(EventKind::kPeer, LogLevel::kInfo,
+          "peer " + p.hello.name + " (" + from + ") joined" + (h.stage >= 0 ? " asking for stage " + std::to_string(h.stage) : "") +
+              (h.stage < 0 && h.prefer_stage >= 0 ? " preferring stage " + std::to_string(h.prefer_stage) : "") +
+              (h.emulate > 1 ? " [emulated " + std::to_string(h.emulate) + "x slower]" : "") + (who.authenticated ? " with " + as : ""),
+          0, &p);
   share_keys(c, p);
   if (Job* j = active_job()) j->offer(c, p);
 }
@@ -213,7 +214,7 @@ void RouterCore::Impl::on_reply(Ctx& c, Peer& p, wire::Message& m) {
     // (what the peer holds for it is released).
     if (!m.refs.empty()) c.release(p.id, m.id);
     if (m.type == MsgType::kResult && m.id > 0 && m.id < requests.next_id()) {
-      if (Job* j = active_job()) j->duplicate();
+      if (Job* j = active_job()) j->duplicate(m.id);
     } else if (m.type == MsgType::kError) {
       const msg::Error e = msg::read<msg::Error>(m);
       c.warn("peer " + p.hello.name + " reports: " + e.message);
@@ -253,7 +254,8 @@ void RouterCore::Impl::on_error_reply(Ctx& c, Peer& p, const Pending& pd, Job& j
     e.message = std::string("an unreadable ERROR (") + ex.what() + ")";
   }
   p.failures++;
-  c.warn("peer " + p.hello.name + " failed a " + req_kind_name(pd.kind) + " request: " + e.message);
+  c.event(EventKind::kFault, LogLevel::kWarn, "peer " + p.hello.name + " failed a " + req_kind_name(pd.kind) + " request: " + e.message, pd.job,
+          &p, pd.stage);
   // A request that reached the peer damaged: re-sent at once, held against the peer's
   // integrity record rather than banning it.
   if (e.code == int(WireErrc::kChecksum) || e.code == int(WireErrc::kTruncated)) {
@@ -459,8 +461,10 @@ Actions RouterCore::tick(double now) {
     c.warn("request " + std::to_string(rid) + " (" + req_kind_name(pd->kind) + ") to " + I.name_of(pd->peer) + " passed its deadline; re-sending");
     if (Peer* p = I.peers.find(pd->peer)) {
       if (const double s = I.peers.timed_out(*p, pd->kind == ReqKind::kHop, now); s > 0)
-        c.warn("peer " + p->hello.name + " is unresponsive (" + std::to_string(p->timeouts_in_row) + " timeouts in a row); no new work for " +
-               std::to_string(int(s)) + " s");
+        c.event(EventKind::kFault, LogLevel::kWarn,
+                "peer " + p->hello.name + " is unresponsive (" + std::to_string(p->timeouts_in_row) + " timeouts in a row); no new work for " +
+                    std::to_string(int(s)) + " s",
+                pd->job, p, p->stage);
     }
     const Pending taken = *c.take(rid);
     if (Job* j = I.find_job(taken.job); j && j->active()) {

@@ -9,7 +9,7 @@
 //
 // Events in:                                   Actions out:
 //   restore(stored jobs)      at start           Send{to, message}
-//   on_message(peer, message, who) a decoded one  Log{level, text}
+//   on_message(peer, message, who) a decoded one  Log{level, text, job, peer}
 //   on_undecodable(peer, ...) one that was not    WriteFile{path, content}      (atomic, fsynced)
 //   on_unreachable(peer)      a send failed       LoadJob{job, spec, resume...} (-> on_job_loaded)
 //   on_job_loaded(result)     after LoadJob       WriteCheckpoint{job, dir, ...} (-> on_checkpoint_written)
@@ -27,6 +27,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "router/events.h"
+#include "router/metrics.h"
 #include "router/registry.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data.h"
@@ -55,6 +57,8 @@ struct Send {
 struct Log {
   LogLevel level = LogLevel::kInfo;
   std::string text;
+  uint64_t job = 0;       // the job it is about (0: the running one, if any)
+  std::string peer;       // the peer's name it is about ("" for none)
 };
 // Write `content` to `path` atomically (runtime/fs.h); a failure is logged by the server.
 struct WriteFile {
@@ -93,6 +97,7 @@ struct CheckpointWritten {
   uint64_t job = 0;
   int step = 0;
   std::string path, error;                    // error empty: written to path
+  double write_s = 0;                         // how long the write took on the disk thread [s]
 };
 // A job of the state dir (<state dir>/jobs/<id>/job.json), as the server read it.
 struct StoredJob {
@@ -126,6 +131,13 @@ class RouterCore {
   // `swarm status --json` and `swarm peers --json` as the core sees them now.
   nlohmann::json status_json(std::optional<uint64_t> job, double now) const;
   nlohmann::json peers_json(size_t offset, size_t limit, double now) const;
+  // What /metrics shows, as plain data (router/metrics.h): the router, its peers, and the job
+  // `swarm status` shows by default.
+  RouterMetrics metrics(double now) const;
+  // The kept events after `seq` (router/events.h), oldest first, at most `max` of the newest.
+  std::vector<Event> events_since(uint64_t seq, size_t max) const;
+  // The job that is loading or running (0: none): the job a log line is about by default.
+  uint64_t active_job() const;
   const Registry& registry() const;
   uint64_t bad_messages() const;
   // Checks every invariant of the core's state with SWARM_CHECK (tests and fuzzing): every

@@ -14,6 +14,9 @@
 
 namespace swarm::router {
 
+// Events a status carries (the dashboard's timeline); /api/events streams every kept one.
+constexpr size_t kStatusEvents = 200;
+
 struct RouterCore::Impl {
   CoreOptions opt;
   Registry peers;
@@ -38,9 +41,10 @@ struct RouterCore::Impl {
   uint64_t bad_messages = 0;
   double last_beat_s = -1e300;
   std::map<PeerId, std::vector<int64_t>> released;   // RELEASE keys per holder, sent by tick
+  Events events;                           // the timeline: the status's `events`, /api/events
 
   explicit Impl(CoreOptions o) : opt(std::move(o)), peers(opt.heartbeat_ms, opt.liveness) {}
-  Ctx ctx(double now, Actions& out) { return Ctx{now, opt, peers, requests, out, released}; }
+  Ctx ctx(double now, Actions& out) { return Ctx{now, opt, peers, requests, out, released, events}; }
 
   Job* find_job(uint64_t id) {
     for (auto& j : jobs)

@@ -110,7 +110,8 @@ bool Durability::advance(Ctx& c, const nlohmann::json& router_state, uint64_t ne
   for (int s = 0; s < int(params_.size()); ++s) {
     const Snapshot& snap = snapshots_[size_t(s)];
     if (!snap.valid || snap.step != step_) {
-      c.warn("checkpoint at step " + std::to_string(step_) + " skipped: no current state for stage " + std::to_string(s));
+      c.event(EventKind::kCheckpoint, LogLevel::kWarn,
+              "checkpoint at step " + std::to_string(step_) + " skipped: no current state for stage " + std::to_string(s), job_, nullptr, s);
       return true;
     }
     ck->stages.push_back(snap.state);
@@ -123,12 +124,14 @@ bool Durability::advance(Ctx& c, const nlohmann::json& router_state, uint64_t ne
 void Durability::on_written(Ctx& c, const CheckpointWritten& r) {
   writes_in_flight_ = std::max(0, writes_in_flight_ - 1);
   if (!r.error.empty()) {
-    c.warn("checkpoint failed: " + r.error);
+    failed_++;
+    c.event(EventKind::kCheckpoint, LogLevel::kWarn, "checkpoint failed: " + r.error, job_);
     return;
   }
   written_++;
+  write_seconds_.observe(r.write_s);
   last_ = r.path;
-  c.info("job " + std::to_string(job_) + ": checkpoint " + r.path);
+  c.event(EventKind::kCheckpoint, LogLevel::kInfo, "job " + std::to_string(job_) + ": checkpoint " + r.path, job_);
 }
 
 void Durability::restore(const Checkpoint& ck) {

@@ -62,6 +62,9 @@ class Durability {
   void write_record(Ctx& c, uint64_t id, JobState state, const std::string& reason, const nlohmann::json& spec) const;
 
   nlohmann::json status() const;   // {dir, written, last}
+  uint64_t written() const { return written_; }
+  uint64_t failed() const { return failed_; }
+  const metrics::Histogram& write_seconds() const { return write_seconds_; }   // per checkpoint written [s]
   int last_snapshot_step = -1, last_checkpoint_step = -1;
   uint64_t snapshot_rounds = 0;    // rounds done when the last snapshot was taken
 
@@ -76,7 +79,8 @@ class Durability {
   double deadline_s_ = 0;
   double last_progress_s_ = -1;
   int writes_in_flight_ = 0;
-  uint64_t written_ = 0;
+  uint64_t written_ = 0, failed_ = 0;
+  metrics::Histogram write_seconds_{metrics::duration_buckets()};
   std::string last_;
 };
 

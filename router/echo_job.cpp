@@ -117,6 +117,17 @@ nlohmann::json EchoJob::status(const Registry& peers, double now) const {
                      {"bytes_per_s", elapsed > 0 ? double(done_) * double(bench_.bytes) / elapsed : 0.0}}}};
 }
 
+void EchoJob::metrics(JobMetrics& m, const Registry& peers, double now) const {
+  Job::metrics(m, peers, now);
+  m.kind = "transport";
+  m.taken = uint64_t(taken_);
+  m.completed = uint64_t(done_);
+  m.resent = flights_.resent;
+  m.rejected = flights_.rejected;
+  m.lost = state_ == JobState::kDone ? uint64_t(taken_ - done_) : 0;
+  m.hops = flights_.hop_metrics;
+}
+
 void EchoJob::check(const Requests& r) const {
   flights_.check(r);
   SWARM_CHECK(!active() || flights_.size() <= size_t(bench_.inflight), "more payloads in flight than the benchmark's inflight");

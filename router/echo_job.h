@@ -22,6 +22,8 @@ class EchoJob : public Job {
   void on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) override;
   void advance(Ctx& c) override;
   nlohmann::json status(const Registry& peers, double now) const override;
+  void metrics(JobMetrics& m, const Registry& peers, double now) const override;
+  void duplicate(uint64_t request) override { flights_.duplicate(request); }
   void finish(Ctx& c, JobState st, const std::string& reason) override;
   void check(const Requests& r) const override;
 

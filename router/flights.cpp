@@ -32,6 +32,27 @@ double hop_units(HopKind k) {
 
 }  // namespace
 
+const char* hop_kind_name(HopKind k) {
+  switch (k) {
+    case HopKind::kForward: return "forward";
+    case HopKind::kForwardLoss: return "forward_loss";
+    case HopKind::kBackward: return "backward";
+    case HopKind::kEval: return "eval";
+  }
+  return "?";
+}
+
+void Flights::resent_hop(Ctx& c, const Flight& f, const Pending& pd, bool error, const std::string& why) {
+  resent++;
+  if (error) rejected++;
+  hop_metrics.failed(f.stage, kind_label(f), error);
+  const Peer* p = c.peers.find(pd.peer);
+  c.event(EventKind::kResend, LogLevel::kDebug,
+          std::string(f.eval ? "eval batch " : "microbatch ") + std::to_string(f.index) + ": " + kind_label(f) + " at stage " +
+              std::to_string(f.stage) + " sent again (" + why + ")",
+          cfg_.job, p, f.stage);
+}
+
 Flight& Flights::add(uint64_t key, Flight f) {
   const size_t S = size_t(cfg_.stages);
   f.inputs.resize(S);
@@ -177,8 +198,10 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   pd.units = my_units;
   pd.deadline_s = c.now + timing::deadline_s((p.queued_units + my_units) * per / 1000.0, long_hop ? cfg_.backward_cap_s : cfg_.forward_cap_s);
   pd.hold = m.hold;
+  const char* label = kind_label(f);
   f.req_id = c.request(pd, std::move(m));
   f.attempts++;
+  hop_metrics.sent(f.req_id, f.stage, label);
 }
 
 HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
@@ -242,6 +265,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
     f.suspect_tensor = -1;
     f.suspect_reporter.clear();
   }
+  hop_metrics.completed(f.stage, kind_label(f), c.now - pd.sent_s);
   f.req_id = 0;
   f.tried.clear();
   f.attempts = 0;
@@ -320,8 +344,7 @@ HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_ten
   Flight& f = it->second;
   f.req_id = 0;
   f.tried.insert(pd.peer);
-  resent++;
-  if (error) rejected++;
+  resent_hop(c, f, pd, error, why);
   // Who made the tensor the receiver rejected: the previous stage's forward for a stage input,
   // the next stage's backward for an output gradient. Tokens and targets come from the router.
   PeerId producer;
@@ -362,7 +385,7 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
   // Only a tensor that was held elsewhere can fail to arrive; any other claim is the peer's error.
   if (!sl || !sl->held) return on_failed(c, pd, true, -1, why);
   f.req_id = 0;
-  resent++;
+  resent_hop(c, f, pd, false, why);
   fetch_failures++;
   HopFailure out;
   Peer* holder = c.peers.find(sl->held->holder);

@@ -41,6 +41,7 @@
 namespace swarm::router {
 
 enum class HopKind { kForward, kForwardLoss, kBackward, kEval };
+const char* hop_kind_name(HopKind k);   // "forward", "forward_loss", "backward", "eval": metric labels
 
 struct Flight {
   uint64_t index = 0;                 // data index (train) or validation batch index (eval)
@@ -129,6 +130,10 @@ class Flights {
   // receivers report); bytes_relayed: the part that went through the router.
   uint64_t bytes_act = 0, bytes_grad = 0, bytes_relayed = 0, resent = 0, rejected = 0, cached = 0, recomputed = 0;
   uint64_t fetch_failures = 0, uploads = 0, remade = 0;
+  // Hops by stage and kind, and their latency (router/metrics.h).
+  HopMetrics hop_metrics;
+  // A result to request `request` that was no longer pending.
+  void duplicate(uint64_t request) { hop_metrics.duplicate(request); }
 
   // SWARM_CHECKs: every flight waiting on a request has it pending, to the peer it names.
   void check(const Requests& r) const;
@@ -142,6 +147,9 @@ class Flights {
   bool repair(Flight& f);
   Slot* slot_of(Flight& f, int slot);
   void release_all(Ctx& c, Flight& f);
+  const char* kind_label(const Flight& f) const { return cfg_.echo ? "echo" : hop_kind_name(f.kind); }
+  // A hop that failed and goes out again: counted, and on the timeline.
+  void resent_hop(Ctx& c, const Flight& f, const Pending& pd, bool error, const std::string& why);
   FlightConfig cfg_;
   std::map<uint64_t, Flight> flights_;
 };

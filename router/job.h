@@ -46,9 +46,10 @@ struct Ctx {
   Requests& requests;
   Actions& out;
   std::map<PeerId, std::vector<int64_t>>& released;   // keys to RELEASE at each holder, sent at the next tick
+  Events& events;                                     // the timeline (router/events.h)
 
   void send(const PeerId& to, wire::Message m) { out.push_back(Send{to, std::move(m)}); }
-  void log(LogLevel level, std::string text) { out.push_back(Log{level, std::move(text)}); }
+  void log(LogLevel level, std::string text) { out.push_back(Log{level, std::move(text), 0, {}}); }
   void info(std::string text) { log(LogLevel::kInfo, std::move(text)); }
   // The tensors a peer holds for request `key` are no longer needed.
   void release(const PeerId& holder, uint64_t key) { released[holder].push_back(int64_t(key)); }
@@ -62,6 +63,9 @@ struct Ctx {
   // the replier's own part `index` of request `pd_id`.
   static Slot take_reply_tensor(const PeerId& from, uint64_t pd_id, wire::Message& m, size_t index);
   void warn(std::string text) { log(LogLevel::kWarn, std::move(text)); }
+  // Something for the timeline: recorded as an event and logged at `level` (kDebug: recorded
+  // only, for events too frequent to log, such as re-sent hops, when SWARM_LOG hides debug).
+  void event(EventKind kind, LogLevel level, std::string text, uint64_t job = 0, const Peer* peer = nullptr, int stage = -1);
   // Registers `p` as pending (sent now, with its deadline) and sends `m` with its id; adds the
   // request's units to the peer's queue. Returns the id.
   uint64_t request(Pending p, wire::Message m);
@@ -114,11 +118,13 @@ class Job {
   virtual void integrity_failure(Ctx& c, const PeerId& peer, const std::string& what) {}
   // SWARM_CHECKs the job's invariants against the pending requests.
   virtual void check(const Requests& r) const {}
-  // Counts a RESULT that answered no pending request (late, or a duplicate).
-  virtual void duplicate() {}
+  // Counts a RESULT to request `request` that answered no pending request (late, or a duplicate).
+  virtual void duplicate(uint64_t request) {}
   // One of its requests passed its deadline (counted in the status).
   virtual void timed_out() {}
   virtual nlohmann::json status(const Registry& peers, double now) const = 0;
+  // What /metrics shows of the job (router/metrics.h); the base fills id, name and state.
+  virtual void metrics(JobMetrics& m, const Registry& peers, double now) const;
   // Ends the job: state, reason; its requests are dropped by the core.
   virtual void finish(Ctx& c, JobState st, const std::string& reason);
   // The job's state record in the state dir ("" without one).

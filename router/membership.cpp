@@ -105,7 +105,7 @@ void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
     c.warn("stage " + std::to_string(p.stage) + " has no live peer and no snapshot yet; peer " + p.hello.name + " starts from the initial weights");
   p.state = PeerState::kReady;
   rounds_.samples().forget(p.id);
-  c.info("peer " + p.hello.name + " ready on stage " + std::to_string(p.stage));
+  c.event(EventKind::kPeer, LogLevel::kInfo, "peer " + p.hello.name + " ready on stage " + std::to_string(p.stage), id_, &p, p.stage);
 }
 
 void TrainingJob::restore_from_snapshot(Ctx& c, Peer& p) {
@@ -115,8 +115,10 @@ void TrainingJob::restore_from_snapshot(Ctx& c, Peer& p) {
   for (Peer* d : c.peers.stage_peers(id_, p.stage, c.now)) others |= d != &p;
   if (state_ == JobState::kRunning && !others) {  // the stage had died mid-run (not a job resuming)
     restores_.push_back({{"stage", p.stage}, {"peer", p.hello.name}, {"snapshot_step", snap.step}, {"step", steps_done_}, {"lost_steps", lost}});
-    c.warn("stage " + std::to_string(p.stage) + " restarts from its snapshot of step " + std::to_string(snap.step) + " on peer " +
-           p.hello.name + " (" + std::to_string(lost) + " step(s) of that stage lost)");
+    c.event(EventKind::kFault, LogLevel::kWarn,
+            "stage " + std::to_string(p.stage) + " restarts from its snapshot of step " + std::to_string(snap.step) + " on peer " + p.hello.name +
+                " (" + std::to_string(lost) + " step(s) of that stage lost)",
+            id_, &p, p.stage);
   }
   const StageState& st = snap.state;
   msg::StateLoad body;
@@ -192,7 +194,7 @@ void TrainingJob::integrity_failure(Ctx& c, const PeerId& id, const std::string&
   quarantined_ids_.insert(p->key.empty() ? p->id : p->key);
   const std::string reason = std::to_string(p->integrity_failures) + " integrity failures, the last: " + what;
   quarantined_.push_back({{"peer", p->hello.name}, {"id", id}, {"stage", p->stage}, {"reason", reason}});
-  c.warn("peer " + p->hello.name + " quarantined (" + reason + ")");
+  c.event(EventKind::kFault, LogLevel::kWarn, "peer " + p->hello.name + " quarantined (" + reason + ")", id_, p, p->stage);
   for (uint64_t rid : c.requests.of_peer(id))
     if (auto pd = c.take(rid)) on_failed(c, *pd, false, -1, "peer quarantined");
 }
@@ -277,9 +279,12 @@ void TrainingJob::maybe_rebalance(Ctx& c) {
   Peer* p = c.peers.find(mv.peer);
   if (!p) return;
   const auto cost = stage_costs_from_params(stage_params_);
-  c.info("rebalance: moving peer " + p->hello.name + " from stage " + std::to_string(mv.from) + " to stage " + std::to_string(mv.to) + ": " + mv.reason);
+  c.event(EventKind::kMove, LogLevel::kInfo,
+          "rebalance: moving peer " + p->hello.name + " from stage " + std::to_string(mv.from) + " to stage " + std::to_string(mv.to) + ": " + mv.reason,
+          id_, p, mv.to);
   moves_.push_back({{"peer", p->hello.name}, {"from", mv.from}, {"to", mv.to}, {"step", steps_done_},
                     {"min_before", mv.min_before}, {"min_after", mv.min_after}, {"reason", mv.reason}});
+  move_counts_[{mv.from, mv.to, mv.target_empty ? "empty_stage" : "bottleneck"}]++;
   last_move_s_ = p->last_moved_s = c.now;
   p->last_from = mv.from;
   p->ms_per_unit *= cost[size_t(mv.to)] / cost[size_t(mv.from)];

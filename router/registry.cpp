@@ -70,6 +70,7 @@ std::vector<PeerId> Registry::expired(double now) const {
 
 void Registry::ban(Peer& p, double now) {
   p.bans++;
+  bans_total_++;
   p.banned_until_s = now + timing::backoff_s(1.0, 60.0, p.bans);
 }
 

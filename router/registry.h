@@ -76,6 +76,7 @@ class Registry {
   // An error from the peer: no new work until the ban ends (1 s, doubling per ban, up to 60 s).
   void ban(Peer& p, double now);
   bool banned(const Peer& p, double now) const { return now < p.banned_until_s; }
+  uint64_t bans_total() const { return bans_total_; }   // bans of every peer since the router started
   // A deadline passed without an answer: counted; a hop's timeout also halves its expected
   // speed; three in a row make it unresponsive for a growing time. Returns the seconds of
   // unresponsiveness when it just became so (for the log), else 0.
@@ -97,6 +98,7 @@ class Registry {
  private:
   double window_s_;
   uint64_t next_seq_ = 1;
+  uint64_t bans_total_ = 0;
   std::map<PeerId, Peer> peers_;
   std::set<std::pair<double, PeerId>> expiry_;   // (expiry time, id) of every peer
 };

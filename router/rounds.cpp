@@ -133,6 +133,13 @@ void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
   last_step_ = step;
   apply_step_ = step + (plan.overlapped ? spec_.diloco.overlap_steps : 0);
   deadline_s_ = c.now + spec_.diloco.deadline_s;
+  begun_s_ = c.now;
+  // Summed-gradient rounds come every step: the timeline shows the DiLoCo rounds.
+  if (what_ == msg::RoundWhat::kDelta)
+    c.event(EventKind::kRound, LogLevel::kDebug,
+            "round " + std::to_string(count_) + " begins at step " + std::to_string(step) +
+                (spec_.diloco.fragments > 1 ? " (fragment " + std::to_string(fragment_) + ")" : ""),
+            job_);
   if (what_ == msg::RoundWhat::kDelta) fragment_syncs_[size_t(fragment_)]++;
   round_bytes_.clear();
   stages_.clear();
@@ -465,6 +472,13 @@ bool Rounds::advance(Ctx& c, bool may_apply) {
   if (done) {
     open_ = false;
     stages_.clear();
+    const std::string what = msg::round_what_name(what_);
+    auto h = durations_.find(what);
+    if (h == durations_.end()) h = durations_.emplace(what, metrics::Histogram(metrics::duration_buckets())).first;
+    h->second.observe(c.now - begun_s_);
+    if (what_ == msg::RoundWhat::kDelta)
+      c.event(EventKind::kRound, LogLevel::kDebug,
+              "round " + std::to_string(count_) + " applied in " + std::to_string(int((c.now - begun_s_) * 1000)) + " ms", job_);
     last_round_bytes_ = std::move(round_bytes_);
     round_bytes_.clear();
   }

@@ -112,6 +112,8 @@ class Rounds {
     uint64_t sent = 0, received = 0;
   };
   const std::map<std::string, PeerBytes>& last_round_bytes() const { return last_round_bytes_; }
+  // Seconds from each round's start to its end, by what it exchanged ("delta", "grad").
+  const std::map<std::string, metrics::Histogram>& durations() const { return durations_; }
 
  private:
   struct Stage {
@@ -151,6 +153,8 @@ class Rounds {
   msg::RoundWhat what_ = msg::RoundWhat::kDelta;
   int fragment_ = 0;
   double deadline_s_ = 0;
+  double begun_s_ = 0;
+  std::map<std::string, metrics::Histogram> durations_;
   std::vector<Stage> stages_;
   std::map<std::pair<int, int>, std::pair<int, PeerId>> last_owner_;   // (stage, part) -> (K, owner)
   std::map<std::string, PeerBytes> round_bytes_, last_round_bytes_;

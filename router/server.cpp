@@ -1,4 +1,5 @@
-// server.cpp: implements router/server.h: the socket loop, the clock, and the disk thread.
+// server.cpp: implements router/server.h: the socket loop, the clock, the disk thread, and the
+// pages published for the HTTP server.
 #include "router/server.h"
 
 #include <chrono>
@@ -12,9 +13,12 @@
 #include <thread>
 #include <variant>
 
+#include "router/dashboard.h"
+#include "router/http_pages.h"
 #include <sys/stat.h>
 
 #include "runtime/fs.h"
+#include "runtime/http.h"
 #include "runtime/limits.h"
 #include "runtime/text.h"
 
@@ -105,6 +109,10 @@ struct Server::Impl {
   bool disk_stop = false;
   std::thread disk;
 
+  // --http: the pages the loop publishes, and the server that serves them (destroyed first).
+  http::Publisher pages;
+  std::unique_ptr<http::Server> http_server;
+
   explicit Impl(ServerOptions o) : opt(std::move(o)), core(opt.core) {
     if (opt.key_file.empty() != opt.authorized_file.empty())
       throw InputError("give --key and --authorized together (the router's keypair and the keys it lets in), or neither");
@@ -142,12 +150,19 @@ struct Server::Impl {
     sock.bind(opt.bind);
     endpoint = sock.get(zmq::sockopt::last_endpoint);
     if (endpoint.rfind("tcp://0.0.0.0:", 0) == 0) endpoint = "tcp://127.0.0.1:" + endpoint.substr(14);
-    if (!opt.ready_file.empty()) fs_util::write_file_atomic(opt.ready_file, endpoint + "\n", "the ready file");
+    if (!opt.http.empty()) {
+      http_server = std::make_unique<http::Server>(opt.http, pages, dashboard_html());
+      log_info("router", "dashboard at " + http_server->url() + "/, metrics at " + http_server->url() + "/metrics");
+    }
+    if (!opt.ready_file.empty())
+      fs_util::write_file_atomic(opt.ready_file, endpoint + "\n" + (http_server ? http_server->url() + "\n" : ""), "the ready file");
     log_info("router", "listening on " + endpoint);
     disk = std::thread([this] { disk_loop(); });
   }
 
   ~Impl() {
+    pages.stop();
+    http_server.reset();
     {
       std::lock_guard<std::mutex> l(mu);
       disk_stop = true;
@@ -272,11 +287,13 @@ struct Server::Impl {
     CheckpointWritten r;
     r.job = w.job;
     r.step = w.checkpoint->step;
+    const auto t = Clock::now();
     try {
       r.path = write_checkpoint(w.dir, *w.checkpoint, w.keep);
     } catch (const std::exception& e) {
       r.error = e.what();
     }
+    r.write_s = std::chrono::duration<double>(Clock::now() - t).count();
     return r;
   }
 
@@ -288,7 +305,7 @@ struct Server::Impl {
       if (auto* s = std::get_if<Send>(&a)) {
         if (!wire::send(sock, s->msg, &s->to)) unreachable.insert(s->to);
       } else if (auto* lg = std::get_if<Log>(&a)) {
-        log_line(lg->level, "router", lg->text);
+        log_line(lg->level, "router", lg->text, LogFields{lg->job ? lg->job : core.active_job(), lg->peer});
       } else {
         std::lock_guard<std::mutex> l(mu);
         if (auto* f = std::get_if<WriteFile>(&a)) {
@@ -391,6 +408,7 @@ struct Server::Impl {
         reload_authorized();
       }
       execute(core.tick(now()));
+      if (http_server && pages.wanted()) pages.publish(http_pages(core, now()));   // only when a request asked
     }
     execute(core.shutdown(now()));
   }
@@ -399,6 +417,7 @@ struct Server::Impl {
 Server::Server(ServerOptions opt) : impl_(std::make_unique<Impl>(std::move(opt))) {}
 Server::~Server() = default;
 std::string Server::endpoint() const { return impl_->endpoint; }
+std::string Server::http_url() const { return impl_->http_server ? impl_->http_server->url() : ""; }
 void Server::run(std::atomic<bool>& stop) { impl_->run(stop); }
 
 }  // namespace swarm::router

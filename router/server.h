@@ -6,7 +6,9 @@
 // decodes the rest only for senders the core accepts, hands the message to RouterCore
 // (router/core.h) with the time, and carries out the actions it returns: sends, logs, and (on a
 // disk thread, so that routing never waits for a disk) job data loads, state records and
-// checkpoints, whose results go back to the core as events.
+// checkpoints, whose results go back to the core as events. With `http` set it also serves
+// /metrics, the status API and the dashboard (runtime/http.h) from threads of their own, from
+// pages the loop publishes when a request asks for fresh ones (docs/observability.md).
 #pragma once
 
 #include <atomic>
@@ -21,7 +23,8 @@ namespace swarm::router {
 
 struct ServerOptions {
   std::string bind = "tcp://0.0.0.0:5555";   // "tcp://127.0.0.1:*" picks a free port
-  std::string ready_file;                     // written with the bound endpoint once listening
+  std::string ready_file;                     // written with the bound endpoint once listening (and the HTTP URL, second line)
+  std::string http;                           // HOST:PORT for /metrics, /api/* and the dashboard; "" serves none
   uint64_t max_data_bytes = TokenData::kDefaultMaxDataBytes;  // a job's data files together
   // CURVE (docs/security.md): the router's keypair file and the authorized keys file; both
   // empty: no keys, which only a loopback bind or `insecure` allows.
@@ -46,6 +49,8 @@ class Server {
   ~Server();
   // The endpoint actually bound (with the real port when the bind asked for '*').
   std::string endpoint() const;
+  // http://HOST:PORT of the dashboard and /metrics ("" without --http).
+  std::string http_url() const;
   // Runs the event loop until `stop` becomes true.
   void run(std::atomic<bool>& stop);
 

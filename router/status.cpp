@@ -1,5 +1,6 @@
-// status.cpp: what `swarm status --json` shows of a training job (TrainingJob::status), the
-// routing figures as the router models them, and Job's shared parts.
+// status.cpp: what `swarm status --json` and /metrics show of a training job
+// (TrainingJob::status, TrainingJob::metrics), the routing figures as the router models them,
+// and Job's shared parts.
 #include <algorithm>
 #include <cmath>
 
@@ -29,7 +30,8 @@ void Job::finish(Ctx& c, JobState st, const std::string& reason) {
   state_ = st;
   reason_ = reason;
   finished_s_ = c.now;
-  c.info("job " + std::to_string(id_) + " " + job_state_name(st) + (reason.empty() ? "" : ": " + reason));
+  c.event(EventKind::kJob, st == JobState::kDone ? LogLevel::kInfo : LogLevel::kWarn,
+          "job " + std::to_string(id_) + " " + job_state_name(st) + (reason.empty() ? "" : ": " + reason), id_);
 }
 
 nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
@@ -38,7 +40,7 @@ nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
   auto per_sample = [&](uint64_t bytes) { return trained ? double(bytes) / double(trained) : 0.0; };
   nlohmann::json peers_per_stage = nlohmann::json::array();
   for (int s = 0; s < S_; ++s) peers_per_stage.push_back(peers.stage_peers(id_, s, now).size());
-  const double elapsed = (job_finished(state_) ? finished_s_ : now) - run_started_s_;
+  const double elapsed = elapsed_s(now);
   // Throughput as the router models it (samples/s): per stage, the bottleneck, and the best
   // assignment of these peers (the benchmarks' ideal).
   nlohmann::json routing{{"mode", routing_mode_name(spec_.routing.mode)}, {"moves", moves_}, {"rebalance", rebalance_reason_}};
@@ -65,7 +67,7 @@ nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
                    {"train_loss", number_or_null(train_loss_)},
                    {"val_loss", number_or_null(val_loss_)},
                    {"unigram_loss", unigram_},
-                   {"tokens_per_s", elapsed > 0 ? double(train_tokens_) / elapsed : 0.0},
+                   {"tokens_per_s", tokens_per_s(now)},
                    {"elapsed_s", elapsed},
                    {"rounds", rounds["rounds"]},
                    {"fragment_syncs", rounds["fragment_syncs"]},
@@ -75,9 +77,8 @@ nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
                    {"clipped", rounds["clipped"]},
                    {"routing", routing},
                    {"sync_bytes_per_sample", per_sample(rounds_.bytes_outer)},
-                   {"microbatches", {{"taken", taken_}, {"completed", completed_}, {"resent", resent_before_ + flights_.resent},
-                                     {"duplicates", duplicates_before_ + duplicates_}, {"rejected", rejected_before_ + flights_.rejected},
-                                     {"lost", state_ == JobState::kDone ? taken_ - completed_ : 0}}},
+                   {"microbatches", {{"taken", taken_}, {"completed", completed_}, {"resent", resent()},
+                                     {"duplicates", duplicates()}, {"rejected", rejected()}, {"lost", lost()}}},
                    {"backward", {{"cached", flights_.cached}, {"recomputed", flights_.recomputed}}},
                    {"wire_bytes", {{"activations", flights_.bytes_act}, {"gradients", flights_.bytes_grad}, {"outer", rounds_.bytes_outer}}},
                    {"hops", {{"mode", hops_name(spec_.routing.hops)}, {"bytes_through_router", flights_.bytes_relayed},
@@ -98,6 +99,53 @@ nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
   const size_t from = history_.size() > kHistory ? history_.size() - kHistory : 0;
   s["history"] = nlohmann::json(std::vector<nlohmann::json>(history_.begin() + long(from), history_.end()));
   return s;
+}
+
+void Job::metrics(JobMetrics& m, const Registry& peers, double now) const {
+  m.id = id_;
+  m.name = name_;
+  m.state = job_state_name(state_);
+}
+
+void TrainingJob::metrics(JobMetrics& m, const Registry& peers, double now) const {
+  Job::metrics(m, peers, now);
+  m.step = steps_done_;
+  m.steps = spec_.steps;
+  m.taken = taken_;
+  m.completed = completed_;
+  m.resent = resent();
+  m.duplicates = duplicates();
+  m.rejected = rejected();
+  m.lost = lost();
+  m.train_loss = train_loss_;
+  m.val_loss = val_loss_;
+  m.tokens_per_s = tokens_per_s(now);
+  m.tokens = uint64_t(train_tokens_);
+  m.rounds = rounds_.count();
+  m.bytes_activations = flights_.bytes_act;
+  m.bytes_gradients = flights_.bytes_grad;
+  m.bytes_outer = rounds_.bytes_outer;
+  m.bytes_through_router = flights_.bytes_relayed;
+  m.codec_activations = spec_.compression.activations;
+  m.codec_gradients = spec_.compression.gradients;
+  m.codec_outer = spec_.compression.outer;
+  for (int k = 0; k < 4; ++k) m.codec_s[k] = codec_us_[k] / 1e6;
+  m.backward_cached = flights_.cached;
+  m.backward_recomputed = flights_.recomputed;
+  m.fetch_failures = flights_.fetch_failures;
+  m.relayed_by_router = flights_.uploads;
+  m.remade = flights_.remade;
+  m.integrity_failures = integrity_failures_;
+  m.timeouts = timeouts_;
+  m.quarantines = quarantined_.size();
+  m.skipped_steps = skipped_steps_;
+  m.moves = move_counts_;
+  m.checkpoints_written = dur_.written();
+  m.checkpoint_failures = dur_.failed();
+  m.checkpoint_seconds = dur_.write_seconds();
+  m.round_seconds = rounds_.durations();
+  m.stage_samples_per_s = stage_throughputs(placement_view(peers, now));
+  m.hops = flights_.hop_metrics;
 }
 
 }  // namespace swarm::router

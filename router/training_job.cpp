@@ -166,7 +166,9 @@ void TrainingJob::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m)
       p.state = PeerState::kReady;
       rounds_.samples().forget(p.id);
       rounds_.note_hash(p, r.hash);
-      c.info("peer " + p.hello.name + " synced stage " + std::to_string(p.stage) + (pd.target.empty() ? " from a donor" : " from " + pd.target));
+      c.event(EventKind::kPeer, LogLevel::kInfo,
+              "peer " + p.hello.name + " synced stage " + std::to_string(p.stage) + (pd.target.empty() ? " from a donor" : " from " + pd.target), id_,
+              &p, p.stage);
       return;
     }
     case ReqKind::kSnapshot: return dur_.on_reply(c, p, pd, m);
@@ -305,7 +307,7 @@ void TrainingJob::advance(Ctx& c) {
     state_ = JobState::kRunning;
     run_started_s_ = c.now;
     persist(c);
-    c.info("job " + std::to_string(id_) + " running");
+    c.event(EventKind::kJob, LogLevel::kInfo, "job " + std::to_string(id_) + " running", id_);
   }
   reason_ = empty.empty() ? "" : "paused: stage(s) " + empty + " have no live peer; start a stage server for them";
   // An open round moves on in any phase (an overlapped one alongside training); it is applied
@@ -337,7 +339,8 @@ void TrainingJob::advance(Ctx& c) {
         val_loss_ = eval_count_ ? eval_sum_ / eval_count_ : NAN;
         last_eval_step_ = steps_done_;
         history({{"step", steps_done_}, {"val_loss", number_or_null(val_loss_)}});
-        c.info("job " + std::to_string(id_) + " step " + std::to_string(steps_done_) + ": val loss " + std::to_string(val_loss_));
+        c.event(EventKind::kEval, LogLevel::kInfo, "job " + std::to_string(id_) + " step " + std::to_string(steps_done_) + ": val loss " + std::to_string(val_loss_),
+                id_);
         after_step(c);
       }
       break;

@@ -47,9 +47,13 @@ class TrainingJob : public Job {
   void on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) override;
   void advance(Ctx& c) override;
   void on_checkpoint_written(Ctx& c, const CheckpointWritten& r) override { dur_.on_written(c, r); }
-  void duplicate() override { duplicates_++; }
+  void duplicate(uint64_t request) override {
+    duplicates_++;
+    flights_.duplicate(request);
+  }
   void timed_out() override { timeouts_++; }
   nlohmann::json status(const Registry& peers, double now) const override;
+  void metrics(JobMetrics& m, const Registry& peers, double now) const override;
   void finish(Ctx& c, JobState st, const std::string& reason) override;
   void persist(Ctx& c) override { dur_.write_record(c, id_, state_, reason_, spec_json_); }
   void check(const Requests& r) const override;
@@ -67,6 +71,13 @@ class TrainingJob : public Job {
   void hop_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m);
   std::string empty_stages(Ctx& c) const;
   nlohmann::json router_state(double now) const;
+  // The figures the status and /metrics share.
+  double elapsed_s(double now) const { return (job_finished(state_) ? finished_s_ : now) - run_started_s_; }
+  double tokens_per_s(double now) const { return elapsed_s(now) > 0 ? double(train_tokens_) / elapsed_s(now) : 0.0; }
+  uint64_t resent() const { return resent_before_ + flights_.resent; }
+  uint64_t duplicates() const { return duplicates_before_ + duplicates_; }
+  uint64_t rejected() const { return rejected_before_ + flights_.rejected; }
+  uint64_t lost() const { return state_ == JobState::kDone ? taken_ - completed_ : 0; }
   void history(nlohmann::json entry);
 
   // membership.cpp: peers.
@@ -119,6 +130,7 @@ class TrainingJob : public Job {
   double next_rebalance_s_ = -1;
   std::mt19937_64 rng_;
   nlohmann::json moves_ = nlohmann::json::array();
+  std::map<std::tuple<int, int, std::string>, uint64_t> move_counts_;   // (from, to, reason) -> moves, for /metrics
   std::string rebalance_reason_;
 };
 

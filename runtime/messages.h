@@ -55,6 +55,7 @@ struct Hello {
   bool echo = false;                 // transport-benchmark peer
   double emulate = 1;                // compute slow-down factor (--emulate)
   std::string listen;                // where other peers fetch tensors from it (tcp://host:port); empty: none (relayed)
+  std::string metrics;               // its own /metrics (http://host:port/metrics, swarm-stage --http); empty: none
   std::string name;                  // shown in `swarm peers`; the router keeps 64 bytes of it
   int64_t pid = 0;
   int32_t prefer_stage = -1;
@@ -73,6 +74,7 @@ struct Hello {
     v.field("echo", echo, kOptional);
     v.field("emulate", emulate, kOptional, 1.0, 1e6);
     v.field("listen", listen, kOptional, wire::kMaxAddressBytes);
+    v.field("metrics", metrics, kOptional, wire::kMaxAddressBytes);
     v.field("name", name, kOptional, size_t(255));
     v.field("pid", pid, kOptional, int64_t(0), wire::kIntMax);
     v.field("precision", precision, kOptional, size_t(16));

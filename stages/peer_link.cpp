@@ -212,6 +212,7 @@ void PeerLink::on_fetch_reply(wire::Received& r, const std::string& address) {
       throw WireError(WireErrc::kBadTensor, "not the tensor referenced (" + std::to_string(m.tensors[0].desc.nbytes) + " bytes, checksum " +
                                                 std::to_string(m.tensors[0].desc.checksum) + ")");
     fetch_bytes += m.tensors[0].desc.wire_bytes();
+    fetched_from[address] += m.tensors[0].desc.wire_bytes();
     w.fetched[ref.slot] += int64_t(m.tensors[0].desc.wire_bytes());
     w.got[fetch.ref] = std::move(m.tensors[0]);
     w.missing--;
@@ -260,8 +261,12 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
     }
     // Fetches still out for a failed request are forgotten; their replies are dropped.
     for (auto f = fetching_.begin(); f != fetching_.end();) f = f->second.request == it->first ? fetching_.erase(f) : std::next(f);
-    if (w.error) r.error = std::move(w.error);
-    else r.msg = std::move(w.msg);
+    if (w.error) {
+      failed++;
+      r.error = std::move(w.error);
+    } else {
+      r.msg = std::move(w.msg);
+    }
     out.push_back(std::move(r));
     it = waiting_.erase(it);
   }

@@ -76,7 +76,9 @@ class PeerLink {
   // Whether the outgoing path is cut (a partition fault): nothing served, nothing fetched.
   void set_cut(bool cut) { cut_ = cut; }
 
-  uint64_t fetches = 0, fetch_bytes = 0, served = 0, served_bytes = 0;   // counters for the log
+  uint64_t fetches = 0, fetch_bytes = 0, served = 0, served_bytes = 0;   // counters for the log and /metrics
+  uint64_t failed = 0;                                  // requests failed because a reference did not arrive
+  std::map<std::string, uint64_t> fetched_from;         // wire bytes fetched, per holder address
 
  private:
   struct Dialer {

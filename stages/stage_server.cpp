@@ -11,7 +11,8 @@
 // compute thread owns the model (stages/worker.h) and sends its replies back through an inproc
 // pipe so that only the I/O thread touches the network socket. Injected faults
 // (stages/stage_faults.h, inert unless configured) see every message the I/O thread passes and
-// every request the compute thread handles.
+// every request the compute thread handles. With --http, threads of its own serve /metrics from
+// figures the I/O thread gathers when a scrape asks for them (stages/stage_metrics.h).
 #include "stages/stage_server.h"
 
 #include <unistd.h>
@@ -30,6 +31,7 @@
 #include <set>
 #include <thread>
 
+#include "runtime/http.h"
 #include "runtime/log.h"
 #include "runtime/messages.h"
 #include "runtime/timing.h"
@@ -39,6 +41,7 @@
 #include "stages/peer_link.h"
 #include "stages/precision.h"
 #include "stages/stage_faults.h"
+#include "stages/stage_metrics.h"
 #include "stages/worker.h"
 
 namespace swarm {
@@ -110,8 +113,9 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     log_error("stage", e.what());
     return 2;
   }
-  log_info("stage", "precision " + own.reason + " (unless a job pins model.precision)");
   const std::string name = opt.name.empty() ? default_name() : opt.name;
+  set_log_peer(name);
+  log_info("stage", "precision " + own.reason + " (unless a job pins model.precision)");
   std::optional<KeyPair> keys;
   std::string router_key;
   try {
@@ -139,6 +143,23 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     return 2;
   }
   if (!link->address().empty()) log_info("stage", "peers fetch tensors from " + link->address());
+  // --http: /metrics from threads of their own; the router learns the address from HELLO.
+  http::Publisher pages;
+  std::unique_ptr<http::Server> http_server;
+  std::string metrics_url;
+  uint64_t relayed = 0;   // held tensors the router fetched to relay
+  if (!opt.http.empty()) {
+    try {
+      http_server = std::make_unique<http::Server>(opt.http, pages);
+    } catch (const InputError& e) {
+      log_error("stage", std::string("--http: ") + e.what());
+      return 2;
+    }
+    std::string host = http_server->host();
+    if (host == "0.0.0.0") host = default_name().substr(0, default_name().rfind(':'));   // what others dial: this host's name
+    metrics_url = "http://" + host + ":" + std::to_string(http_server->port()) + "/metrics";
+    log_info("stage", "metrics at " + metrics_url);
+  }
   zmq::socket_t to_io(ctx, zmq::socket_type::pair), from_worker(ctx, zmq::socket_type::pair);
   from_worker.bind("inproc://replies");
   to_io.connect("inproc://replies");
@@ -202,6 +223,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     h.pid = int64_t(getpid());
     h.echo = opt.echo;
     h.listen = link->address();
+    h.metrics = metrics_url;
     Message m = msg::make(h);
     wire::send(s, m);
   };
@@ -331,6 +353,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
         case MsgType::kFetch: {
           // The router relays a tensor this peer holds to a peer that could not reach it.
           Message rep = link->serve(m);
+          relayed += rep.type == MsgType::kFetched;
           answer(rep);
           break;
         }
@@ -359,6 +382,23 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       stats.errors++;
       log_warn("stage", std::string("dropped a malformed ") + wire::msg_type_name(m.type) + " from the router: " + e.what());
     }
+  };
+
+  // --http: the figures of /metrics, gathered on this thread when a scrape asks for them.
+  auto publish_metrics = [&] {
+    StageFigures f = gather_stage_figures(stats, holdings, *link);
+    f.name = name;
+    f.device = opt.device;
+    f.precision = precision_name(own.precision);
+    f.emulated = opt.emulate > 1 ? (opt.profile.empty() ? std::to_string(opt.emulate) + "x" : opt.profile) : "";
+    f.queued = inbox.size();
+    f.relayed = relayed;
+    const DeviceInfo d = query_device(opt.device);
+    f.device_memory_bytes = d.total_bytes;
+    f.device_memory_free_bytes = d.free_bytes;
+    http::Pages p;
+    p.metrics = stage_exposition(f);
+    pages.publish(std::move(p));
   };
 
   while (!stop) {
@@ -425,6 +465,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       Message hb = msg::make(b);
       for (auto& f : faults.heartbeat(wire::encode(hb))) send_frames(f);
     }
+    if (http_server && pages.wanted()) publish_metrics();
     const double silence_s = std::chrono::duration<double>(now - last_heard).count();
     if (const auto cut_s = faults.partition_healed()) {
       // The router has declared us dead if the partition outlasted its window: rejoin at once.
@@ -442,6 +483,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   }
   worker_stop = true;
   compute.join();
+  pages.stop();
   return 0;
 }
 

@@ -38,6 +38,7 @@ struct StageOptions {
   std::string key_file, router_key;
   double fetch_timeout_s = 30;         // a tensor that does not arrive from its holder in this long fails the hop
   size_t hold_bytes = size_t(4) << 30; // tensors kept for other peers at most [bytes]
+  std::string http;            // HOST:PORT for this server's /metrics ("" none); a wildcard host is advertised by host name
   int heartbeat_ms = 500;
   int liveness = 3;            // router silent for liveness * heartbeat_ms -> reconnect
   size_t cache_entries = 64;   // affinity cache: forward graphs kept for a later BACKWARD

@@ -77,6 +77,7 @@ struct Worker::Impl {
           const double ms = ms_since(t0);
           r.compute_ms = ms;
           stats_.ms_per_unit = timing::ema(stats_.ms_per_unit.load(), ms / units);
+          stats_.compute_s = stats_.compute_s.load() + ms / 1000;
         }
         rep.body = msg::pack(r);
       }
@@ -236,6 +237,7 @@ struct Worker::Impl {
     stats_.stage = stage_;
     stats_.job_id = job_id_;
     stats_.ready = true;
+    set_log_job(job_id_);   // this process's log lines are about this job from now on
     log_info("stage", "loaded stage " + std::to_string(stage_) + " of job " + std::to_string(job_id_) + ": " +
                           std::to_string(model_->num_parameters()) + " parameters, " + std::to_string(fwd_ms) + " ms per forward; " +
                           prec_.reason() + ", " + attention_name(model_->attention()) + " attention; memory estimate " +

@@ -38,6 +38,7 @@ struct SharedStats {
   std::atomic<uint64_t> forwards{0}, backwards{0}, cache_hits{0}, recomputes{0}, steps{0}, errors{0};
   std::atomic<uint64_t> overflows{0}, skipped_steps{0};  // mixed precision (stages/precision.h)
   std::atomic<double> loss_scale{0};                      // 0: no loss scaling
+  std::atomic<double> compute_s{0};                       // hops' compute time so far [s] (written by the compute thread only)
 };
 
 class Worker {

@@ -1,7 +1,8 @@
 // bench.cpp: the benchmarks behind `swarm bench` (see bench.h).
 //
 // transport: payloads that originate in the router's dispatcher go to an echo stage server
-//   and back, against a bare ZeroMQ PUSH/PULL pair on loopback.
+//   and back, against a bare ZeroMQ PUSH/PULL pair on loopback; then the 4 MiB case again
+//   with and without the router's /metrics scraped every 100 ms (scrape_overhead).
 // pipeline: the same job in one process (the reference trainer) and through swarms of one
 //   and of four stages, one peer each.
 // codec: compression/bench_codec.h.
@@ -12,12 +13,15 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <filesystem>
 #include <functional>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -27,6 +31,7 @@
 #include "runtime/chaos_plan.h"
 #include "runtime/client.h"
 #include "runtime/data.h"
+#include "runtime/http.h"
 #include "runtime/job_spec.h"
 #include "stages/reference.h"
 #include "tools/local_swarm.h"
@@ -85,10 +90,55 @@ double through_router(LocalSwarm& swarm, int64_t bytes, int64_t count, int infli
   return st["bench"]["bytes_per_s"].get<double>();
 }
 
+// GETs `url` every `period_s` on a thread of its own until stopped, as Prometheus would scrape.
+class Scraper {
+ public:
+  Scraper(std::string url, double period_s) : url_(std::move(url)), period_s_(period_s), thread_([this] { loop(); }) {}
+  ~Scraper() { stop(); }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  int ok = 0, failed = 0;
+  size_t bytes = 0;
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> l(mu_);
+    while (!stop_) {
+      l.unlock();
+      const http::Response r = http::get(url_, 5);
+      if (r.status == 200) {
+        ok++;
+        bytes += r.body.size();
+      } else {
+        failed++;
+      }
+      l.lock();
+      cv_.wait_for(l, std::chrono::duration<double>(period_s_), [this] { return stop_; });
+    }
+  }
+  std::string url_;
+  double period_s_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
 // A router and one echo stage server, registered; `secure`: CURVE on every connection.
-void start_echo_swarm(LocalSwarm& swarm, bool secure) {
+void start_echo_swarm(LocalSwarm& swarm, bool secure, const std::vector<std::string>& router_args = {}) {
   swarm.set_secure(secure);
-  swarm.start_router();
+  swarm.start_router(router_args);
   swarm.start_stage(0, "echo", 1, {"--echo"});
   Client c(swarm.router_endpoint());
   for (int i = 0; i < 100; ++i) {
@@ -100,8 +150,9 @@ void start_echo_swarm(LocalSwarm& swarm, bool secure) {
 
 int bench_transport(bool as_json) {
   // The router's own cost against bare ZeroMQ: without encryption, as the figures always were.
+  // The router serves /metrics throughout; only the scraped runs below read it.
   LocalSwarm swarm(temp_dir("transport"));
-  start_echo_swarm(swarm, false);
+  start_echo_swarm(swarm, false, {"--http", "127.0.0.1:0"});
   // 8 payloads in flight, as a pipeline keeps a few hops per peer; 4 KiB payloads also with 64
   // in flight: with 8, each payload waits for a round trip through four threads on each side,
   // so the figure measures latency; with 64 the router's own per-message cost shows.
@@ -118,6 +169,47 @@ int bench_transport(bool as_json) {
     std::snprintf(text, sizeof(text), "%s payloads (%d in flight): router + echo stage %.1f MB/s, bare zmq push/pull %.1f MB/s, ratio %.3f",
                   cs.name, cs.inflight, router_bps / 1e6, zmq_bps / 1e6, ratio);
     emit(as_json, json{{"bench", "transport"}, {"case", cs.name}, {"router_bytes_per_s", router_bps}, {"zmq_bytes_per_s", zmq_bps}, {"ratio", ratio}}, text);
+  }
+  // The 4 MiB case with /metrics scraped every 100 ms against the same case unscraped, in pairs
+  // whose order alternates (load on a shared machine drifts both ways); the figure is the median
+  // of the pairs' ratios.
+  {
+    const Case& cs = cases[0];
+    constexpr int kPairs = 6;
+    std::vector<double> plain, scraped, ratios;
+    int scrapes = 0, scrape_failures = 0;
+    size_t scrape_bytes = 0;
+    auto run_scraped = [&] {
+      Scraper sc(swarm.http_url() + "/metrics", 0.1);
+      scraped.push_back(through_router(swarm, cs.bytes, cs.count, cs.inflight));
+      sc.stop();
+      scrapes += sc.ok;
+      scrape_failures += sc.failed;
+      scrape_bytes += sc.bytes;
+    };
+    for (int i = 0; i < kPairs; ++i) {
+      if (i % 2 == 0) {
+        plain.push_back(through_router(swarm, cs.bytes, cs.count, cs.inflight));
+        run_scraped();
+      } else {
+        run_scraped();
+        plain.push_back(through_router(swarm, cs.bytes, cs.count, cs.inflight));
+      }
+      ratios.push_back(scraped.back() / plain.back());
+    }
+    const double overhead = median(ratios);
+    raw["4m_scraped"] = {{"bytes", cs.bytes}, {"count", cs.count}, {"inflight", cs.inflight}, {"pairs", kPairs},
+                         {"unscraped_bytes_per_s", plain}, {"scraped_bytes_per_s", scraped}, {"scrape_period_s", 0.1},
+                         {"pair_ratios", ratios}, {"scrapes", scrapes}, {"scrape_failures", scrape_failures},
+                         {"metrics_page_bytes", scrapes ? scrape_bytes / size_t(scrapes) : 0}};
+    figures["scrape_overhead"] = {{"value", overhead}, {"target", ">= 0.97"}};
+    char text[256];
+    std::snprintf(text, sizeof(text), "4m payloads, /metrics scraped every 100 ms: %.1f MB/s vs %.1f MB/s unscraped (medians of %d pairs), "
+                  "median pair ratio %.3f; %d scrapes, %d failed",
+                  median(scraped) / 1e6, median(plain) / 1e6, kPairs, overhead, scrapes, scrape_failures);
+    emit(as_json, json{{"bench", "transport"}, {"case", "4m_scraped"}, {"scraped_bytes_per_s", median(scraped)},
+                       {"unscraped_bytes_per_s", median(plain)}, {"ratio", overhead}, {"scrapes", scrapes}, {"scrape_failures", scrape_failures}},
+         text);
   }
   swarm.stop_all();
   // What CURVE costs (docs/security.md): 4 MiB payloads with every connection encrypted, against

@@ -10,6 +10,9 @@ packages=(
   libmsgpack-cxx-dev nlohmann-json3-dev libxxhash-dev
   libzstd-dev                          # entropy=zstd: lossless packing of codec output on the wire
   libcli11-dev libgtest-dev
+  libcpp-httplib-dev                   # --http of swarm-router and swarm-stage: /metrics, /api/*, the dashboard
+  prometheus                           # tests/integration/test_observability.cpp: promtool check metrics, a real scraping server
+  chromium                             # tests/integration/test_observability.cpp: the dashboard in a headless browser
   fortunes                             # the bundled example's training text
   python3-torch                        # tests/python/check_export.py: `swarm export` read back by PyTorch
   clang libclang-rt-14-dev             # libFuzzer + ASan/UBSan for tests/fuzz (docs/fuzzing.md); tools/test.sh smokes them

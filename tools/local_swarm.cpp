@@ -98,6 +98,25 @@ pid_t LocalSwarm::spawn(const std::vector<std::string>& argv, const std::string&
   return pid;
 }
 
+void LocalSwarm::wait_ready(const std::string& ready, const std::string& log_name) {
+  for (int i = 0; i < 200; ++i) {
+    std::ifstream f(ready);
+    std::string ep, url;
+    if (f && std::getline(f, ep) && !ep.empty()) {
+      endpoint_ = ep;
+      http_url_ = std::getline(f, url) ? url : "";
+      return;
+    }
+    int status = 0;
+    if (waitpid(router_pid_, &status, WNOHANG) == router_pid_) {
+      router_pid_ = -1;
+      throw std::runtime_error("swarm-router exited at start; see " + log_dir_ + "/" + log_name);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  throw std::runtime_error("swarm-router did not start listening within 10 s; see " + log_dir_ + "/" + log_name);
+}
+
 void LocalSwarm::start_router(const std::vector<std::string>& extra_args) {
   const std::string ready = log_dir_ + "/router.addr";
   unlink(ready.c_str());
@@ -118,19 +137,10 @@ void LocalSwarm::start_router(const std::vector<std::string>& extra_args) {
                                              << read_public_key(k.admin_pub) << " admin local-admin\n";
     router_args_.insert(router_args_.end(), {"--key", k.router_key, "--authorized", keys_dir_ + "/authorized"});
   }
+  if (!log_format_.empty()) router_args_.insert(router_args_.end(), {"--log-format", log_format_});
   router_args_.insert(router_args_.end(), extra_args.begin(), extra_args.end());
   router_pid_ = spawn(router_args_, "router.log");
-  for (int i = 0; i < 200; ++i) {
-    std::ifstream f(ready);
-    if (f && std::getline(f, endpoint_) && !endpoint_.empty()) return;
-    int status = 0;
-    if (waitpid(router_pid_, &status, WNOHANG) == router_pid_) {
-      router_pid_ = -1;
-      throw std::runtime_error("swarm-router exited at start; see " + log_dir_ + "/router.log");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  throw std::runtime_error("swarm-router did not start listening within 10 s; see " + log_dir_ + "/router.log");
+  wait_ready(ready, "router.log");
 }
 
 // The router again, on the same endpoint (peers reconnect to it on their own) and with the
@@ -142,14 +152,9 @@ void LocalSwarm::restart_router() {
     if (a == "tcp://127.0.0.1:*") a = endpoint_;
   const std::string ready = log_dir_ + "/router.addr";
   unlink(ready.c_str());
-  router_pid_ = spawn(args, "router." + std::to_string(++router_restarts_) + ".log");
-  for (int i = 0; i < 200; ++i) {
-    std::ifstream f(ready);
-    std::string ep;
-    if (f && std::getline(f, ep) && !ep.empty()) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  throw std::runtime_error("swarm-router did not listen again on " + endpoint_ + " within 10 s");
+  const std::string log_name = "router." + std::to_string(++router_restarts_) + ".log";
+  router_pid_ = spawn(args, log_name);
+  wait_ready(ready, log_name);
 }
 
 size_t LocalSwarm::start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args) {
@@ -182,6 +187,7 @@ void LocalSwarm::restart_stage(size_t i) {
     argv.push_back("--stage");
     argv.push_back(std::to_string(p.stage));
   }
+  if (!log_format_.empty()) argv.insert(argv.end(), {"--log-format", log_format_});
   argv.insert(argv.end(), p.extra_args.begin(), p.extra_args.end());
   // Peer to peer on loopback: each stage server takes other peers' fetches on a port of its own
   // (SWARM_LOCAL_HOPS=hub: none does, so every tensor goes through the router, as under

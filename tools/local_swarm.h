@@ -55,11 +55,12 @@ class LocalSwarm {
   LocalSwarm(const LocalSwarm&) = delete;
   LocalSwarm& operator=(const LocalSwarm&) = delete;
 
-  // Starts the router on a free loopback port and waits until it listens. Unless set_secure(false)
-  // was called first, the swarm uses CURVE with throwaway keys (local_keys()): the router's,
-  // one per stage server (made when it starts, listed in <log_dir>/keys/authorized) and an
-  // admin key that this process's Clients use (SWARM_KEY and SWARM_ROUTER_KEY are set; without
-  // CURVE they are unset: clients follow the router started last).
+  // Starts the router on a free loopback port and waits until it listens. With "--http ADDR" among
+  // the arguments, http_url() is where it serves the dashboard and /metrics. Unless
+  // set_secure(false) was called first, the swarm uses CURVE with throwaway keys (local_keys()):
+  // the router's, one per stage server (made when it starts, listed in <log_dir>/keys/authorized)
+  // and an admin key that this process's Clients use (SWARM_KEY and SWARM_ROUTER_KEY are set;
+  // without CURVE they are unset: clients follow the router started last).
   void start_router(const std::vector<std::string>& extra_args = {});
   void set_secure(bool on) { secure_ = on; }
   bool secure() const { return secure_; }
@@ -86,14 +87,19 @@ class LocalSwarm {
   std::vector<ChaosRecord> chaos_log() const;
 
   const std::string& router_endpoint() const { return endpoint_; }
+  const std::string& http_url() const { return http_url_; }   // "" unless the router serves HTTP
+  // --log-format for the router and the stage servers started from now on ("" leaves their default).
+  void set_log_format(const std::string& format) { log_format_ = format; }
   const std::string& log_dir() const { return log_dir_; }
   std::vector<StageProc>& stages() { return stages_; }
 
  private:
   pid_t spawn(const std::vector<std::string>& argv, const std::string& log_name);
-  std::string bin_dir_, log_dir_, endpoint_;
+  std::string bin_dir_, log_dir_, endpoint_, http_url_, log_format_;
   bool secure_ = true;
   std::string keys_dir_;                   // <log_dir>/keys: stage keys and the authorized file
+  // Waits for the router's ready file: its endpoint, and its HTTP URL when it serves one.
+  void wait_ready(const std::string& ready, const std::string& log_name);
   pid_t router_pid_ = -1;
   int router_restarts_ = 0;
   std::vector<std::string> router_args_;

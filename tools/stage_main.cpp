@@ -65,6 +65,12 @@ int main(int argc, char** argv) {
   size_t hold_mb = opt.hold_bytes >> 20;
   app.add_option("--hold-mb", hold_mb, "tensors kept for other peers at most [MiB]")->capture_default_str()->check(CLI::Range(1, 1 << 24));
   app.add_option("--heartbeat-ms", opt.heartbeat_ms, "heartbeat interval")->capture_default_str();
+  app.add_option("--http", opt.http,
+                 "serve this server's /metrics (Prometheus) on HOST:PORT, e.g. 0.0.0.0:9100 or 127.0.0.1:0 for a free port; the "
+                 "router lists it in `swarm peers` and /api/targets (default: off)");
+  std::string log_format = "text";
+  app.add_option("--log-format", log_format, "text (for people) or json (one object per line, for log collectors)")
+      ->capture_default_str();
   std::vector<std::string> fault_specs;
   std::string fault_plan;
   uint64_t fault_seed = 1;
@@ -77,6 +83,12 @@ int main(int argc, char** argv) {
   app.add_option("--router-key", opt.router_key, "the router's public key, or its .pub file (with --key)");
   CLI11_PARSE(app, argc, argv);
   opt.hold_bytes = hold_mb << 20;
+  try {
+    swarm::set_log_format(swarm::parse_log_format(log_format));
+  } catch (const swarm::InputError& e) {
+    std::fprintf(stderr, "--log-format: %s\n", e.what());
+    return 2;
+  }
   if (no_listen && !opt.listen.empty()) {
     std::fprintf(stderr, "--no-listen and --listen contradict each other; give one\n");
     return 2;

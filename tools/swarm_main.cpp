@@ -6,6 +6,9 @@
 // this machine (tools/local_swarm.h) and follows the job to its end.
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -20,7 +23,9 @@
 #include "runtime/chaos_plan.h"
 #include "runtime/fault.h"
 #include "runtime/job_spec.h"
+#include "runtime/http.h"
 #include "runtime/keys.h"
+#include "runtime/log.h"
 #include "compression/codec.h"
 #include "stages/export.h"
 #include "stages/reference.h"
@@ -70,15 +75,22 @@ int print_final(const json& st, bool as_json) {
 
 int hardware_threads() { return std::max(1, int(std::thread::hardware_concurrency())); }
 
+std::atomic<bool> g_interrupted{false};
+void on_interrupt(int) { g_interrupted = true; }
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"swarm: train one model across many unreliable, unequal machines"};
   app.require_subcommand(1);
-  app.fallthrough();   // --key and --router-key may come after the subcommand
+  app.fallthrough();   // --key, --router-key and --log-format may come after the subcommand
   std::string key_file, router_key;
   app.add_option("--key", key_file, "your keypair for a router that uses keys (default: $SWARM_KEY)");
   app.add_option("--router-key", router_key, "the router's public key or .pub file (default: $SWARM_ROUTER_KEY)");
+  std::string log_format = "text";
+  app.add_option("--log-format", log_format,
+                 "text (for people) or json (one object per line, for log collectors); `swarm local` passes it to its processes")
+      ->capture_default_str();
 
   std::string keygen_out;
   auto* keygen = app.add_subcommand("keygen", "make a keypair: NAME.key (secret, mode 0600) and NAME.pub (docs/security.md)");
@@ -99,6 +111,13 @@ int main(int argc, char** argv) {
   local->add_option("--precision", precision, "the stage servers' --precision: auto, fp32, bf16, fp16 (the job's model.precision wins)")
       ->capture_default_str();
   local->add_flag("--json", as_json, "one JSON object per line");
+  std::string http = "127.0.0.1:0";
+  local->add_option("--http", http,
+                    "where the router serves the dashboard and /metrics (HOST:PORT; the default picks a free loopback port; "
+                    "\"off\" for none)")
+      ->capture_default_str();
+  bool keep_running = false;
+  local->add_flag("--keep-running", keep_running, "after the job ends, keep the swarm and its dashboard up until Ctrl-C");
 
   auto* chaos = app.add_subcommand("chaos", "inject a fault into a live peer (docs/faults.md)");
   chaos->add_option("--router", router, "router endpoint")->required();
@@ -149,6 +168,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (!key_file.empty()) setenv("SWARM_KEY", key_file.c_str(), 1);
   if (!router_key.empty()) setenv("SWARM_ROUTER_KEY", router_key.c_str(), 1);
+  try {
+    set_log_format(parse_log_format(log_format));
+  } catch (const InputError& e) {
+    std::cerr << "swarm: --log-format: " << e.what() << std::endl;
+    return 2;
+  }
 
   try {
     if (*keygen) {
@@ -183,21 +208,43 @@ int main(int argc, char** argv) {
       } catch (const InputError& e) {
         throw SpecError(std::string("--precision: ") + e.what());
       }
+      if (http != "off") {
+        try {
+          http::parse_bind(http);
+        } catch (const InputError& e) {
+          throw SpecError(std::string("--http: ") + e.what());
+        }
+      }
+      swarm.set_log_format(log_format);
       // Jobs read data from the working directory down and from the folders of the data this
       // job names (docs/security.md).
-      std::vector<std::string> roots = {"--data-root", std::filesystem::current_path().string()};
+      std::vector<std::string> router_args = {"--data-root", std::filesystem::current_path().string()};
       for (const std::string& p : spec.data.paths) {
         const std::string folder = std::filesystem::absolute(p).parent_path().string();
-        if (std::find(roots.begin(), roots.end(), folder) == roots.end()) roots.insert(roots.end(), {"--data-root", folder});
+        if (std::find(router_args.begin(), router_args.end(), folder) == router_args.end())
+          router_args.insert(router_args.end(), {"--data-root", folder});
       }
-      swarm.start_router(roots);
+      if (http != "off") router_args.insert(router_args.end(), {"--http", http});
+      swarm.start_router(router_args);
+      // The stage servers serve their own /metrics on the router's HTTP host, each on a free port;
+      // the router lists them in /api/targets for Prometheus.
+      std::vector<std::string> stage_args{"--device", device, "--precision", precision};
+      if (http != "off") stage_args.insert(stage_args.end(), {"--http", http::parse_bind(http).first + ":0"});
       for (int s = 0; s < spec.partition.stages; ++s)
         for (int i = 0; i < peers_per_stage; ++i)
-          swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads,
-                            {"--device", device, "--precision", precision});
-      if (!as_json)
+          swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads, stage_args);
+      if (as_json) {
+        json started{{"event", "started"}, {"router", swarm.router_endpoint()}, {"stage_servers", n}, {"log_dir", log_dir}};
+        started["dashboard"] = swarm.http_url().empty() ? json(nullptr) : json(swarm.http_url() + "/");
+        started["metrics"] = swarm.http_url().empty() ? json(nullptr) : json(swarm.http_url() + "/metrics");
+        std::cout << started.dump() << std::endl;
+      } else {
         std::cout << "swarm: router at " << swarm.router_endpoint() << ", " << n << " stage servers ("
                   << spec.partition.stages << " stages x " << peers_per_stage << "), logs in " << log_dir << std::endl;
+        if (!swarm.http_url().empty())
+          std::cout << "swarm: dashboard at " << swarm.http_url() << "/ (Prometheus metrics at " << swarm.http_url() << "/metrics)"
+                    << std::endl;
+      }
       Client c(swarm.router_endpoint());
       const uint64_t id = submit(c, spec);
       if (plan) {
@@ -209,8 +256,18 @@ int main(int argc, char** argv) {
       FollowOptions fo;
       fo.json = as_json;
       json st = follow_job(c, id, fo);
+      swarm.stop_chaos();
+      const int rc = print_final(st, as_json);
+      if (keep_running) {
+        // The job is over; its figures, dashboard and metrics stay up for a look.
+        std::signal(SIGINT, on_interrupt);
+        std::signal(SIGTERM, on_interrupt);
+        if (as_json) std::cout << json{{"event", "staying_up"}, {"router", swarm.router_endpoint()}}.dump() << std::endl;
+        else std::cout << "swarm: the swarm stays up (--keep-running); Ctrl-C stops it" << std::endl;
+        while (!g_interrupted) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
       swarm.stop_all();
-      return print_final(st, as_json);
+      return rc;
     }
     if (*sub) {
       JobSpec spec = load_spec(job_path);
