@@ -36,7 +36,7 @@ void World::hello(int i) {
   h.listen = p.listen;
   h.device = p.dev.cuda ? "cuda:0" : "cpu";
   h.device_name = p.dev.name;
-  if (p.dev.memory_bytes >= 0) h.device_memory_bytes = h.device_memory_free_bytes = p.dev.memory_bytes;
+  if (p.dev.memory_bytes >= 0 && g.says_memory) h.device_memory_bytes = h.device_memory_free_bytes = p.dev.memory_bytes;
   h.precision = p.dev.precision;
   h.profile = p.dev.name;
   h.threads = 1;
@@ -165,6 +165,7 @@ void World::peer_receives(int i, wire::Message m) {
       } else {
         done = transfer(h->host, p.host, ref->desc.nbytes, answers);
         s.fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
+        keep_copy(p.book, ref->key);
       }
     }
     if (why) {

@@ -85,7 +85,7 @@ void World::check_pause() {
   if (!router_alive || !job_running || job_ended) return;
   std::vector<int> empty;
   for (int s = 0; s < sc.job.partition.stages; ++s)
-    if (core->registry().stage_peers(job_id, s, now).empty()) empty.push_back(s);
+    if (!core->registry().any_ready(job_id, s)) empty.push_back(s);
   if (!empty.empty() && paused_since < 0) {
     paused_since = now;
     pauses++;

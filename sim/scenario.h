@@ -40,6 +40,7 @@ struct PeerGroup {
   Profile device;                  // the profile, resolved (calibrated to the job when measured)
   LinkSpec link;
   bool listen = true;              // takes fetches (peer to peer); false: relayed
+  bool says_memory = true;         // HELLO reports the profile's memory (false: unknown, placed anywhere)
   int stage = -1;                  // --stage (pinned)
   int prefer_lo = -1, prefer_hi = -1;  // --prefer-stage, spread round-robin over [lo, hi]
   double join_s = 0, join_spread_s = 0;  // joins at join_s + uniform [0, spread)

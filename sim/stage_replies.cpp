@@ -38,8 +38,17 @@ double work_units(MsgType t, bool cached) {
 std::vector<const wire::TensorRef*> to_fetch(const StageBook& b, const wire::Message& m) {
   std::vector<const wire::TensorRef*> out;
   for (const wire::TensorRef& r : m.refs)
-    if (!b.held.count(r.key)) out.push_back(&r);  // what it made (or fetched) itself is at hand
+    if (!b.held.count(r.key) && !b.copies.count(r.key)) out.push_back(&r);  // what it made or fetched before is at hand
   return out;
+}
+
+void keep_copy(StageBook& b, uint64_t key) {
+  if (b.cache_entries == 0 || !b.copies.insert(key).second) return;
+  b.copy_order.push_back(key);
+  if (b.copy_order.size() > b.cache_entries) {
+    b.copies.erase(b.copy_order.front());
+    b.copy_order.erase(b.copy_order.begin());
+  }
 }
 
 wire::Message fetch_error(const wire::Message& req, uint32_t slot, FetchFailure why, const std::string& from) {
@@ -214,6 +223,7 @@ std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const s
     }
     case MsgType::kRelease:
       for (int64_t key : msg::read<msg::Release>(m).keys) {
+        b.copies.erase(uint64_t(key));   // its copy_order entry ages out
         auto it = b.held.find(uint64_t(key));
         if (it == b.held.end()) continue;
         for (const wire::Tensor& t : it->second) b.held_bytes -= std::min<uint64_t>(b.held_bytes, t.desc.nbytes);

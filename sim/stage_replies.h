@@ -46,6 +46,10 @@ struct StageBook {
   std::map<uint64_t, std::vector<wire::Tensor>> held;
   uint64_t held_bytes = 0;       // what `held` keeps [bytes]
   uint64_t released = 0;         // holdings dropped on RELEASE
+  // Copies of what it fetched (by key), so a BACKWARD that comes back to the peer of the forward
+  // fetches nothing (stages/holdings.h keeps them the same way); the newest cache_entries.
+  std::set<uint64_t> copies;
+  std::vector<uint64_t> copy_order;
   // The affinity cache: microbatches whose forward graph it keeps (the newest cache_entries).
   std::set<uint64_t> graphs;
   std::vector<uint64_t> graph_order;
@@ -65,8 +69,10 @@ struct Quirks {
 // forward's graph cached 2, recomputing it 3; a forward with the loss and its backward 3).
 double work_units(wire::MsgType t, bool cached);
 
-// The references of `m` the server must fetch before it can act (those it does not hold).
+// The references of `m` the server must fetch before it can act (those it neither holds nor
+// keeps a copy of), and a fetched one kept as a copy.
 std::vector<const wire::TensorRef*> to_fetch(const StageBook& b, const wire::Message& m);
+void keep_copy(StageBook& b, uint64_t key);
 
 enum class FetchFailure { kUnreachable, kNotHeld };
 // The answer to `req` when reference slot `slot` (held at `from`) could not be fetched.

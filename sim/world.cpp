@@ -87,9 +87,16 @@ Slot World::release_slot(uint32_t i) {
 }
 
 double World::transfer(Host& a, Host& b, uint64_t bytes, double t) {
-  // Both ends carry it at the slower one's rate, each after what it already carries (FIFO).
-  const double start = std::max({t, a.up.free_s, b.down.free_s});
   const double dur = double(bytes) * 8.0 / std::min(a.up.bps, b.down.bps);
+  if (bytes <= kControlBytes) {
+    // A control message (HELLO, heartbeat, a result's references) travels on its own connection,
+    // its packets interleaved with bulk transfers: it is not queued behind them.
+    a.up.bytes += bytes;
+    b.down.bytes += bytes;
+    return t + dur + a.latency_s + b.latency_s;
+  }
+  // Bulk: both ends carry it at the slower one's rate, each after what it already carries (FIFO).
+  const double start = std::max({t, a.up.free_s, b.down.free_s});
   a.up.free_s = b.down.free_s = start + dur;
   a.up.bytes += bytes;
   b.down.bytes += bytes;

@@ -28,6 +28,8 @@ struct Pipe {
   uint64_t bytes = 0;    // carried so far
   double busy_s = 0;     // time spent carrying them
 };
+// Messages up to this size [bytes] are control traffic: they do not queue behind bulk transfers.
+constexpr uint64_t kControlBytes = 16 << 10;
 struct Host {
   Pipe up, down;
   double latency_s = 0;  // one way, to the network's core
