@@ -66,15 +66,27 @@ RealRun real_run(const json& job) {
   for (int i = 0; i < 400 && c.request_body(wire::MsgType::kPeers, json::object())["peers"].size() < size_t(2 * S); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   const uint64_t id = c.request_body(wire::MsgType::kSubmit, json{{"spec", job}}).at("job_id").get<uint64_t>();
-  FollowOptions fo;
-  fo.quiet = true;
-  fo.timeout_s = 900;
-  const json st = follow_job(c, id, fo);
+  // Polled until done; the peers' speeds are read while they work.
+  json st;
   RealRun r;
+  for (int i = 0; i < 1800; ++i) {
+    st = c.request_body(wire::MsgType::kStatus, json{{"job_id", id}});
+    const std::string state = st.value("state", std::string());
+    if (state == "done" || state == "failed" || state == "cancelled") break;
+    if (state == "running") {
+      const json peers = c.request_body(wire::MsgType::kPeers, json{{"offset", 0}, {"limit", 100}})["peers"];
+      std::vector<std::pair<int, double>> now;
+      for (const json& p : peers) {
+        // Its own figure (compute only); else what the router measured (transfers included).
+        const double ms = p["heartbeat"].value("ms_per_unit", 0.0) > 0 ? p["heartbeat"]["ms_per_unit"].get<double>() : p.value("ms_per_unit", 0.0);
+        if (ms > 0 && p["stage"].get<int>() >= 0) now.emplace_back(p["stage"].get<int>(), ms);
+      }
+      if (now.size() == size_t(2 * S)) r.peers = now;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
   r.tokens_per_s = st.value("tokens_per_s", 0.0);
   r.lost = st["microbatches"].value("lost", uint64_t(0));
-  for (const json& p : c.request_body(wire::MsgType::kPeers, json::object())["peers"])
-    r.peers.emplace_back(p["stage"].get<int>(), p["heartbeat"].value("ms_per_unit", 0.0));
   swarm.stop_all();
   if (st.value("state", std::string()) != "done") throw std::runtime_error("the real run failed: " + st.value("reason", std::string()));
   return r;
@@ -95,6 +107,7 @@ json simulated(const json& job, const RealRun& real, uint64_t* lost) {
   }
   sim::SimOptions o;
   o.measure_cpu = false;
+  if (real.peers.empty()) throw std::runtime_error("the real swarm listed no peers");
   const sim::SimResult r = sim::simulate(sim::parse_scenario(sc, kSource + "/examples/sim"), o);
   *lost = std::max(*lost, r.summary["job"]["microbatches"].value("lost", uint64_t(0)));
   return r.summary;
