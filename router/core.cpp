@@ -283,7 +283,7 @@ void RouterCore::Impl::drop_requests(Ctx& c, const Job& j) {
   for (uint64_t rid : requests.of_job(j.id())) c.take(rid);
 }
 
-void RouterCore::Impl::advance_jobs(Ctx& c) {
+void RouterCore::Impl::advance_jobs(Ctx& c, bool offer_idle) {
   // A job that ended while it handled an event (a hop out of attempts) leaves no request behind.
   if (Job* last = running ? find_job(running) : nullptr; last && !last->active()) drop_requests(c, *last);
   running = 0;
@@ -299,9 +299,11 @@ void RouterCore::Impl::advance_jobs(Ctx& c) {
     }
   }
   if (!j) return;
-  // A peer left idle (its load failed) is offered the job again once its ban is over.
-  for (auto& [id, p] : peers.all())
-    if (p.state == PeerState::kIdle && p.job_id == j->id() && !peers.banned(p, c.now)) j->offer(c, p);
+  // A peer left idle (its load failed) is offered the job again once its ban is over: checked on
+  // the tick only, a scan of every peer being too dear for every message.
+  if (offer_idle)
+    for (auto& [id, p] : peers.all())
+      if (p.state == PeerState::kIdle && p.job_id == j->id() && !peers.banned(p, c.now)) j->offer(c, p);
   j->advance(c);
   if (!j->active()) drop_requests(c, *j);
   else running = j->id();
@@ -472,7 +474,7 @@ Actions RouterCore::tick(double now) {
       j->on_failed(c, taken, false, -1, "deadline passed");
     }
   }
-  I.advance_jobs(c);
+  I.advance_jobs(c, /*offer_idle=*/true);
   return out;
 }
 
@@ -502,6 +504,7 @@ void RouterCore::check_invariants() const {
     j->check(I.requests);
   }
   SWARM_CHECK(active <= 1, "more than one job runs");
+  I.peers.check_index();
   for (const auto& [id, pd] : I.requests.all()) {
     SWARM_CHECK(I.peers.find(pd.peer) != nullptr, "request " + std::to_string(id) + " is held by a peer that is gone");
     const Job* owner = nullptr;

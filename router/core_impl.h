@@ -84,7 +84,7 @@ struct RouterCore::Impl {
   void on_error_reply(Ctx& c, Peer& p, const Pending& pd, Job& j, const wire::Message& m);
   void end_job(Ctx& c, Job& j, JobState st, const std::string& why);
   void drop_requests(Ctx& c, const Job& j);
-  void advance_jobs(Ctx& c);
+  void advance_jobs(Ctx& c, bool offer_idle = false);
 
   // clients.cpp: client requests and job intake.
   void on_submit(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who);

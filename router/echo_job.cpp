@@ -25,9 +25,8 @@ EchoJob::EchoJob(uint64_t id, const msg::BenchTransport& t) : Job(id, "transport
 }
 
 void EchoJob::load(Ctx& c, Peer& p) {
-  p.stage = 0;
-  p.job_id = id_;
-  p.state = PeerState::kLoading;
+  c.peers.place(p, id_, 0);
+  c.peers.set_state(p, PeerState::kLoading);
   msg::LoadStage body;
   body.job_id = id_;
   body.stage = 0;
@@ -45,9 +44,8 @@ void EchoJob::start(Ctx& c) {
   state_ = JobState::kLoading;
   run_started_s_ = c.now;
   for (auto& [id, p] : c.peers.all()) {
-    p.job_id = 0;
-    p.stage = -1;
-    p.state = PeerState::kIdle;
+    c.peers.place(p, 0, -1);
+    c.peers.set_state(p, PeerState::kIdle);
     if (wants(p)) load(c, p);
   }
 }
@@ -59,7 +57,7 @@ void EchoJob::offer(Ctx& c, Peer& p) {
 void EchoJob::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
   if (pd.kind == ReqKind::kLoad) {
     (void)msg::read<msg::StageReady>(m);
-    if (p.state == PeerState::kLoading) p.state = PeerState::kReady;
+    if (p.state == PeerState::kLoading) c.peers.set_state(p, PeerState::kReady);
     return;
   }
   if (pd.kind != ReqKind::kHop) return;
@@ -70,7 +68,7 @@ void EchoJob::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
 
 void EchoJob::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) {
   if (pd.kind == ReqKind::kLoad) {
-    if (Peer* p = c.peers.find(pd.peer); p && p->state == PeerState::kLoading) p->state = PeerState::kIdle;
+    if (Peer* p = c.peers.find(pd.peer); p && p->state == PeerState::kLoading) c.peers.set_state(*p, PeerState::kIdle);
     return;
   }
   if (pd.kind == ReqKind::kHop && flights_.on_failed(c, pd, error, -1, why).exhausted)

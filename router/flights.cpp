@@ -74,6 +74,7 @@ void Flights::dispatch(Ctx& c) {
     if (f.req_id != 0 || f.upload_req != 0 || c.now < f.not_before_s) continue;
     // A tensor lost with its holder is made again first (at most once per stage).
     for (int k = 0; k <= 2 * cfg_.stages && !repair(f); ++k) {}
+    if (!c.peers.any_ready(cfg_.job, f.stage)) continue;  // paused until a peer of the stage is ready
     send_hop(c, key, f);
   }
 }

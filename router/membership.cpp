@@ -33,14 +33,13 @@ void TrainingJob::assign(Ctx& c, Peer& p) {
     c.info("placing peer " + p.hello.name + ": " + why);
     if (stage < 0) return;  // it can hold no stage of this job: idle
   }
-  p.stage = stage;
-  p.job_id = id_;
+  c.peers.place(p, id_, stage);
   send_load(c, p);
 }
 
 // LOAD_STAGE for the peer's stage; it gets the stage's state before it serves (on_loaded).
 void TrainingJob::send_load(Ctx& c, Peer& p) {
-  p.state = PeerState::kLoading;
+  c.peers.set_state(p, PeerState::kLoading);
   rounds_.samples().forget(p.id);
   msg::LoadStage body;
   body.job_id = id_;
@@ -63,7 +62,7 @@ void TrainingJob::on_loaded(Ctx& c, Peer& p, wire::Message& m) {
   if (r.params != want) {
     c.warn("peer " + p.hello.name + " loaded stage " + std::to_string(p.stage) + " with " + std::to_string(r.params) +
            " parameters, but the job's model has " + std::to_string(want) + " there; not using it");
-    p.state = PeerState::kIdle;
+    c.peers.set_state(p, PeerState::kIdle);
     c.peers.ban(p, c.now);
     return;
   }
@@ -75,7 +74,7 @@ void TrainingJob::on_loaded(Ctx& c, Peer& p, wire::Message& m) {
 // however old (the whole stage had died: the status counts the steps it lost), else (nothing
 // learned yet) its initial weights, the same on every peer.
 void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
-  p.state = PeerState::kSyncing;
+  c.peers.set_state(p, PeerState::kSyncing);
   const auto& snap = dur_.snapshot(p.stage);
   if (snap.valid && snap.step == steps_done_) return restore_from_snapshot(c, p);
   Peer* donor = nullptr;
@@ -103,7 +102,7 @@ void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
   if (!donor && snap.valid) return restore_from_snapshot(c, p);
   if (!donor && steps_done_ > 0)
     c.warn("stage " + std::to_string(p.stage) + " has no live peer and no snapshot yet; peer " + p.hello.name + " starts from the initial weights");
-  p.state = PeerState::kReady;
+  c.peers.set_state(p, PeerState::kReady);
   rounds_.samples().forget(p.id);
   c.event(EventKind::kPeer, LogLevel::kInfo, "peer " + p.hello.name + " ready on stage " + std::to_string(p.stage), id_, &p, p.stage);
 }
@@ -190,7 +189,7 @@ void TrainingJob::integrity_failure(Ctx& c, const PeerId& id, const std::string&
     c.warn("peer " + p->hello.name + " keeps failing integrity checks but is the last peer of stage " + std::to_string(p->stage) + "; keeping it");
     return;
   }
-  p->state = PeerState::kQuarantined;
+  c.peers.set_state(*p, PeerState::kQuarantined);
   quarantined_ids_.insert(p->key.empty() ? p->id : p->key);
   const std::string reason = std::to_string(p->integrity_failures) + " integrity failures, the last: " + what;
   quarantined_.push_back({{"peer", p->hello.name}, {"id", id}, {"stage", p->stage}, {"reason", reason}});
@@ -206,7 +205,7 @@ void TrainingJob::integrity_failure(Ctx& c, const PeerId& id, const std::string&
 swarm::Registry TrainingJob::placement_view(const Registry& peers, double now) const {
   swarm::Registry reg;
   reg.stages = S_;
-  reg.stage_cost = stage_costs_from_params(stage_params_);
+  reg.stage_cost = stage_cost_;
   reg.last_move_s = last_move_s_;
   reg.proposal = proposal_;
   std::vector<const Peer*> ps;
@@ -228,7 +227,7 @@ PeerView TrainingJob::view_of(const Peer& p) const {
   PeerView v;
   v.id = p.id;
   const double ms = p.speed_ms();
-  const std::vector<double> cost = stage_costs_from_params(stage_params_);
+  const std::vector<double>& cost = stage_cost_;
   v.speed = ms > 0 && p.stage >= 0 && p.stage < S_ ? peer_speed(ms, cost[size_t(p.stage)], spec_.batch.microbatch_size / 3.0) : 0.0;
   v.pinned = p.hello.stage >= 0 && p.hello.stage < S_;
   v.last_moved_s = p.last_moved_s;
@@ -278,7 +277,7 @@ void TrainingJob::maybe_rebalance(Ctx& c) {
   const Move& mv = *r.move;
   Peer* p = c.peers.find(mv.peer);
   if (!p) return;
-  const auto cost = stage_costs_from_params(stage_params_);
+  const std::vector<double>& cost = stage_cost_;
   c.event(EventKind::kMove, LogLevel::kInfo,
           "rebalance: moving peer " + p->hello.name + " from stage " + std::to_string(mv.from) + " to stage " + std::to_string(mv.to) + ": " + mv.reason,
           id_, p, mv.to);
@@ -289,7 +288,7 @@ void TrainingJob::maybe_rebalance(Ctx& c) {
   p->last_from = mv.from;
   p->ms_per_unit *= cost[size_t(mv.to)] / cost[size_t(mv.from)];
   p->hello.stage = -1;
-  p->stage = mv.to;
+  c.peers.place(*p, id_, mv.to);
   // The peer answers what it was already sent for its old stage, then loads the new one and
   // gets its state from a donor (or the stage snapshot) before it serves.
   send_load(c, *p);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "runtime/errors.h"
 #include "runtime/timing.h"
 
 namespace swarm::router {
@@ -31,14 +32,61 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
   p.joined_s = p.last_seen_s = now;
   auto [it, ok] = peers_.emplace(id, std::move(p));
   expiry_.emplace(now + window_s_, id);
-  return it->second;
+  Peer& added = it->second;
+  index(added);
+  return added;
 }
 
 void Registry::remove(const PeerId& id) {
   auto it = peers_.find(id);
   if (it == peers_.end()) return;
   expiry_.erase({it->second.last_seen_s + window_s_, id});
+  unindex(it->second);
   peers_.erase(it);
+}
+
+void Registry::unindex(const Peer& p) {
+  auto b = by_stage_.find({p.job_id, p.stage});
+  SWARM_CHECK(b != by_stage_.end() && b->second.peers.erase(p.seq) == 1, "peer " + p.hello.name + " is missing from the stage index");
+  b->second.ready -= p.state == PeerState::kReady;
+  if (b->second.peers.empty()) by_stage_.erase(b);
+}
+
+void Registry::index(Peer& p) {
+  StageIndex& b = by_stage_[{p.job_id, p.stage}];
+  b.peers[p.seq] = &p;
+  b.ready += p.state == PeerState::kReady;
+}
+
+void Registry::place(Peer& p, uint64_t job, int stage) {
+  if (p.job_id == job && p.stage == stage) return;
+  unindex(p);
+  p.job_id = job;
+  p.stage = stage;
+  index(p);
+}
+
+void Registry::set_state(Peer& p, PeerState s) {
+  if (p.state == s) return;
+  StageIndex& b = by_stage_.at({p.job_id, p.stage});
+  b.ready = b.ready - (p.state == PeerState::kReady) + (s == PeerState::kReady);
+  p.state = s;
+}
+
+void Registry::check_index() const {
+  size_t n = 0;
+  for (const auto& [key, b] : by_stage_) {
+    SWARM_CHECK(!b.peers.empty(), "an empty stage index entry");
+    size_t ready = 0;
+    for (const auto& [seq, p] : b.peers) {
+      SWARM_CHECK(p->job_id == key.first && p->stage == key.second && p->seq == seq,
+                  "peer " + p->hello.name + " changed its job or stage without Registry::place");
+      ready += p->state == PeerState::kReady;
+      n++;
+    }
+    SWARM_CHECK(ready == b.ready, "a peer changed its state without Registry::set_state");
+  }
+  SWARM_CHECK(n == peers_.size(), "the stage index does not hold every peer");
 }
 
 Peer* Registry::find(const PeerId& id) {
@@ -101,13 +149,18 @@ void Registry::measured(Peer& p, double compute_ms, double units, double latency
 
 std::vector<Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bool ready_only) {
   std::vector<Peer*> out, unresponsive;
-  for (auto& [id, p] : peers_) {
-    if (p.job_id != job || p.stage != stage || (ready_only && p.state != PeerState::kReady)) continue;
-    (ready_only && now < p.unresponsive_until_s ? unresponsive : out).push_back(&p);
+  auto b = by_stage_.find({job, stage});
+  if (b == by_stage_.end() || (ready_only && b->second.ready == 0)) return out;
+  for (const auto& [seq, p] : b->second.peers) {   // in join order
+    if (ready_only && p->state != PeerState::kReady) continue;
+    (ready_only && now < p->unresponsive_until_s ? unresponsive : out).push_back(p);
   }
-  std::vector<Peer*>& r = out.empty() ? unresponsive : out;
-  std::sort(r.begin(), r.end(), [](const Peer* a, const Peer* b) { return a->seq < b->seq; });
-  return r;
+  return out.empty() ? unresponsive : out;
+}
+
+bool Registry::any_ready(uint64_t job, int stage) const {
+  auto b = by_stage_.find({job, stage});
+  return b != by_stage_.end() && b->second.ready > 0;
 }
 
 std::vector<const Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bool ready_only) const {

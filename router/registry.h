@@ -5,8 +5,9 @@
 // now + heartbeat_ms * liveness; `expired(now)` pops the dead in order, O(log n) per event),
 // bans after errors (timing::backoff_s: 1 s doubling to 60 s), unresponsiveness after deadlines
 // passed in a row (no new work for a growing time, then a probe), integrity failures towards
-// quarantine, and the stage membership queries the jobs route by. No clock, no I/O: the time
-// comes in as `now` [s].
+// quarantine, and the stage membership queries the jobs route by (an index by job and stage, so
+// a hop looks at its stage's peers, not at every peer: `place` is the one way to change a peer's
+// job or stage). No clock, no I/O: the time comes in as `now` [s].
 #pragma once
 
 #include <cstdint>
@@ -30,9 +31,9 @@ struct Peer {
   uint64_t seq = 0;               // join order, assigned by the router (ties and donors use it, never the id)
   msg::Hello hello;               // what it said about itself (name cut to 64 bytes)
   std::string key;                // its public key (Z85) in a CURVE swarm, else ""
-  int stage = -1;                 // the stage it serves for job_id
+  int stage = -1;                 // the stage it serves for job_id (change both with Registry::place)
   uint64_t job_id = 0;
-  PeerState state = PeerState::kIdle;
+  PeerState state = PeerState::kIdle;   // change with Registry::set_state
   double joined_s = 0, last_seen_s = 0;
   double ms_per_unit = 0;         // timing::ema of compute ms per work unit, from its results; 0: not measured
   double queued_units = 0;        // work sent to it and not answered yet
@@ -57,6 +58,8 @@ struct Peer {
 class Registry {
  public:
   Registry(int heartbeat_ms, int liveness) : window_s_(heartbeat_ms * liveness / 1000.0) {}
+  Registry(const Registry&) = delete;   // the index points into peers_
+  Registry& operator=(const Registry&) = delete;
 
   // A stage server that said HELLO (replacing an earlier session of the same id: the caller
   // has removed it first). Returns the new record.
@@ -89,11 +92,21 @@ class Registry {
   static void measured(Peer& p, double compute_ms, double units, double latency_s, double queued_units);
   static constexpr double kMinMsPerUnit = 0.01;
 
+  // Puts the peer on `stage` of `job` (0, -1: on none), and sets its state, keeping the index by
+  // stage and its count of ready peers.
+  void place(Peer& p, uint64_t job, int stage);
+  void set_state(Peer& p, PeerState s);
+
   // The peers of `stage` serving `job`, in join order. ready_only: those that can take work now
   // (ready and not unresponsive; if every ready peer is unresponsive they are all returned: a
-  // probe beats a paused stage).
+  // probe beats a paused stage). O(peers of that stage).
   std::vector<Peer*> stage_peers(uint64_t job, int stage, double now, bool ready_only = true);
   std::vector<const Peer*> stage_peers(uint64_t job, int stage, double now, bool ready_only = true) const;
+  // Whether a peer of `stage` of `job` is ready (stage_peers(...) is not empty), without a list:
+  // O(log stages).
+  bool any_ready(uint64_t job, int stage) const;
+  // Every peer's job and stage agree with the index (SWARM_CHECK; RouterCore::check_invariants).
+  void check_index() const;
 
  private:
   double window_s_;
@@ -101,6 +114,15 @@ class Registry {
   uint64_t bans_total_ = 0;
   std::map<PeerId, Peer> peers_;
   std::set<std::pair<double, PeerId>> expiry_;   // (expiry time, id) of every peer
+  // (job, stage) -> its peers by join order (seq); every peer is in exactly one entry, (0, -1)
+  // while it serves no job. Pointers into peers_ (a std::map: stable until erased).
+  struct StageIndex {
+    std::map<uint64_t, Peer*> peers;   // by seq
+    size_t ready = 0;                  // of them in PeerState::kReady
+  };
+  std::map<std::pair<uint64_t, int>, StageIndex> by_stage_;
+  void unindex(const Peer& p);
+  void index(Peer& p);
 };
 
 }  // namespace swarm::router

@@ -56,6 +56,8 @@ nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
         speeds.size() >= size_t(S_) && speeds.size() == reg.peers.size() ? ideal_min_throughput(speeds, reg.stage_cost) : 0.0;
   }
   const nlohmann::json rounds = rounds_.status();
+  uint64_t in_flight = 0;   // training microbatches taken and not completed (evaluation ones apart)
+  for (const auto& [key, f] : flights_.all()) in_flight += !f.eval;
   nlohmann::json s{{"job_id", id_},
                    {"name", name_},
                    {"state", job_state_name(state_)},
@@ -77,7 +79,7 @@ nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
                    {"clipped", rounds["clipped"]},
                    {"routing", routing},
                    {"sync_bytes_per_sample", per_sample(rounds_.bytes_outer)},
-                   {"microbatches", {{"taken", taken_}, {"completed", completed_}, {"resent", resent()},
+                   {"microbatches", {{"taken", taken_}, {"completed", completed_}, {"in_flight", in_flight}, {"resent", resent()},
                                      {"duplicates", duplicates()}, {"rejected", rejected()}, {"lost", lost()}}},
                    {"backward", {{"cached", flights_.cached}, {"recomputed", flights_.recomputed}}},
                    {"wire_bytes", {{"activations", flights_.bytes_act}, {"gradients", flights_.bytes_grad}, {"outer", rounds_.bytes_outer}}},

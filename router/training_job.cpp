@@ -52,6 +52,7 @@ TrainingJob::TrainingJob(uint64_t id, JobSpec spec)
       S_(spec_.partition.stages),
       M_(spec_.microbatches_per_step()),
       stage_params_(stage_parameter_counts(spec_)),
+      stage_cost_(stage_costs_from_params(stage_params_)),
       stage_need_(stage_needs(spec_)),
       total_mbs_(uint64_t(spec_.steps) * uint64_t(M_)),
       flights_(flight_config(id, spec_)),
@@ -101,9 +102,8 @@ void TrainingJob::start(Ctx& c) {
   // Stage servers left on another job (finished) are free again. Peers that pinned a stage
   // first, then those that prefer one, then the rest where place_peer puts them.
   for (auto& [id, p] : c.peers.all()) {
-    p.job_id = 0;
-    p.stage = -1;
-    p.state = PeerState::kIdle;
+    c.peers.place(p, 0, -1);
+    c.peers.set_state(p, PeerState::kIdle);
     p.integrity_failures = 0;
   }
   // The rest most memory first, then fastest (placement_order): the heaviest stages go to the
@@ -127,7 +127,7 @@ void TrainingJob::offer(Ctx& c, Peer& p) {
   // A quarantine outlives the session: a peer that says HELLO again is still held out (in a
   // CURVE swarm by its key, which its routing id derives from).
   if (p.state == PeerState::kIdle && quarantined_ids_.count(p.key.empty() ? p.id : p.key)) {
-    p.state = PeerState::kQuarantined;
+    c.peers.set_state(p, PeerState::kQuarantined);
     c.warn("peer " + p.hello.name + " came back but stays quarantined for job " + std::to_string(id_));
     return;
   }
@@ -143,7 +143,7 @@ void TrainingJob::on_peer_gone(Ctx& c, const Peer& p) {
 std::string TrainingJob::empty_stages(Ctx& c) const {
   std::string s;
   for (int st = 0; st < S_; ++st)
-    if (c.peers.stage_peers(id_, st, c.now).empty()) s += (s.empty() ? "" : ", ") + std::to_string(st);
+    if (!c.peers.any_ready(id_, st)) s += (s.empty() ? "" : ", ") + std::to_string(st);
   return s;
 }
 
@@ -163,7 +163,7 @@ void TrainingJob::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m)
       if (!pd.holder.empty()) c.release(pd.holder, pd.key);
       const msg::RoundDone r = msg::read<msg::RoundDone>(m);
       if (p.state != PeerState::kSyncing) return;
-      p.state = PeerState::kReady;
+      c.peers.set_state(p, PeerState::kReady);
       rounds_.samples().forget(p.id);
       rounds_.note_hash(p, r.hash);
       c.event(EventKind::kPeer, LogLevel::kInfo,
@@ -192,7 +192,7 @@ void TrainingJob::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tenso
     case ReqKind::kLoad:
       // Idle again, and offered the job again when the ban ends.
       if (p && p->state == PeerState::kLoading) {
-        p->state = PeerState::kIdle;
+        c.peers.set_state(*p, PeerState::kIdle);
         if (!error) c.peers.ban(*p, c.now);
       }
       return;
@@ -300,8 +300,13 @@ void TrainingJob::advance(Ctx& c) {
   if (state_ == JobState::kLoading) {
     if (!empty.empty()) {
       // A stage no registered peer can hold says so: which stage, how much, the largest peer.
-      const std::vector<MemoryShortfall> short_of = memory_shortfalls(placement_view(c.peers, c.now));
-      reason_ = short_of.empty() ? "waiting for peers: stage(s) " + empty + " have no ready peer" : "waiting for memory: " + short_of[0].reason;
+      // Worked out again only when the empty stages or the peers change (it looks at every peer).
+      const std::string key = empty + "|" + std::to_string(c.peers.size());
+      if (key != waiting_key_) {
+        waiting_key_ = key;
+        const std::vector<MemoryShortfall> short_of = memory_shortfalls(placement_view(c.peers, c.now));
+        reason_ = short_of.empty() ? "waiting for peers: stage(s) " + empty + " have no ready peer" : "waiting for memory: " + short_of[0].reason;
+      }
       return;
     }
     state_ = JobState::kRunning;

@@ -97,6 +97,8 @@ class TrainingJob : public Job {
   double unigram_ = 0;
   int S_ = 1, M_ = 1;
   std::vector<int64_t> stage_params_;
+  std::vector<double> stage_cost_;      // stage_costs_from_params(stage_params_), computed once
+  std::string waiting_key_;             // the empty stages and peer count the waiting reason was made for
   std::vector<StageNeed> stage_need_;   // what each stage takes in memory (router/placement.h)
   uint64_t total_mbs_ = 0;
   Phase phase_ = Phase::kTrain;

@@ -125,6 +125,20 @@ TokenData TokenData::load(const DataSpec& data, int seq_len, int vocab_size, uin
   return d;
 }
 
+TokenData TokenData::synthetic(const DataSpec& data, int seq_len, int vocab_size, size_t tokens, uint64_t seed) {
+  const size_t need = size_t(seq_len) + 1;
+  const size_t n_val = std::max(need, size_t(std::llround(double(tokens) * data.val_fraction)));
+  const size_t n_train = std::max(need, tokens > n_val ? tokens - n_val : 0);
+  TokenData d;
+  auto fill = [&](std::vector<int32_t>& v, size_t n, uint64_t stream) {
+    v.resize(n);
+    for (size_t i = 0; i < n; ++i) v[i] = int32_t(counter_draw(seed, i, 0, stream) % uint64_t(std::max(1, vocab_size)));
+  };
+  fill(d.train_, n_train, 1);
+  fill(d.val_, n_val, 2);
+  return d;
+}
+
 double TokenData::unigram_loss() const {
   if (val_.empty()) return 0.0;
   int32_t max_tok = 0;

@@ -23,6 +23,10 @@ class TokenData {
   // short for one sample of seq_len + 1 tokens.
   static TokenData load(const DataSpec& data, int seq_len, int vocab_size, uint64_t max_bytes = kDefaultMaxDataBytes);
   static constexpr uint64_t kDefaultMaxDataBytes = uint64_t(1) << 30;
+  // Made-up tokens for a simulated job whose data files are not at hand (sim/, `swarm sim`):
+  // `tokens` uniform draws over the vocabulary from `seed`, split as data.val_fraction says
+  // (each split at least seq_len + 1 tokens).
+  static TokenData synthetic(const DataSpec& data, int seq_len, int vocab_size, size_t tokens, uint64_t seed);
 
   const std::vector<int32_t>& train() const { return train_; }
   const std::vector<int32_t>& val() const { return val_; }

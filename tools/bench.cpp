@@ -9,6 +9,7 @@
 // hetero: an unbalanced emulated mix of fast and slow peers under static routing, swarm
 //   routing and swarm routing with the rebalancer, against the best assignment's throughput.
 // gpu: bench_gpu.cpp.
+// sim: bench_sim.cpp.
 #include "tools/bench.h"
 
 #include <unistd.h>
@@ -773,7 +774,8 @@ int run_bench(const std::string& name, bool as_json) {
   if (name == "faults") return bench_faults(as_json);
   if (name == "hetero") return bench_hetero(as_json);
   if (name == "gpu") return run_gpu_bench(as_json);
-  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero, gpu" << std::endl;
+  if (name == "sim") return run_sim_bench(as_json);
+  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero, sim, gpu" << std::endl;
   return 2;
 }
 

@@ -13,4 +13,8 @@ int run_bench(const std::string& name, bool json);
 // `swarm bench gpu` (bench_gpu.cpp): 2 without a CUDA device or a -DSWARM_CUDA=ON build.
 int run_gpu_bench(bool json);
 
+// `swarm bench sim` (bench_sim.cpp): the simulator against a real swarm, at 1,000 peers, and the
+// router core's CPU per event at 1,000 and 10,000 peers.
+int run_sim_bench(bool json);
+
 }  // namespace swarm

@@ -1,5 +1,5 @@
 // swarm_main.cpp: `swarm`, the user's CLI: local, submit, status, peers, cancel, bench, reference,
-// export.
+// export, sim.
 //
 // Every subcommand that talks to a router goes through swarm::Client (runtime/client.h), so
 // a dead router address is a clear message, not a hang. `swarm local` starts a whole swarm on
@@ -31,6 +31,7 @@
 #include "stages/reference.h"
 #include "tools/bench.h"
 #include "tools/local_swarm.h"
+#include "tools/sim_cli.h"
 
 using nlohmann::json;
 using namespace swarm;
@@ -147,7 +148,7 @@ int main(int argc, char** argv) {
 
   std::string bench_name;
   auto* bench = app.add_subcommand("bench", "measure one thing against a reference in the same run (docs/benchmarks.md)");
-  bench->add_option("name", bench_name, "codec | compression | transport | pipeline | diloco | faults | hetero | gpu")->required();
+  bench->add_option("name", bench_name, "codec | compression | transport | pipeline | diloco | faults | hetero | sim | gpu")->required();
   bench->add_flag("--json", as_json, "JSON lines, the last one the summary");
 
   auto* ref = app.add_subcommand("reference", "train the job in one process (the oracle the swarm is checked against)");
@@ -164,6 +165,13 @@ int main(int argc, char** argv) {
   exp->add_option("checkpoint", ckpt_path, "a checkpoint dir (its newest valid step) or a step-* dir")->required();
   exp->add_option("--out", export_out, "the state dict to write (.pt); the model config goes beside it as .json")->required();
   exp->add_flag("--json", as_json, "print JSON");
+
+  std::string scenario_path;
+  std::optional<uint64_t> sim_seed;
+  auto* simc = app.add_subcommand("sim", "simulate a swarm in virtual time: the router's real core, simulated peers, links and faults (docs/scale.md)");
+  simc->add_option("scenario", scenario_path, "scenario (JSON; examples/sim/)")->required();
+  simc->add_option("--seed", sim_seed, "seed for every random draw (default: the scenario's)");
+  simc->add_flag("--json", as_json, "JSON lines: the trace, then the summary, then the core's CPU figures");
 
   CLI11_PARSE(app, argc, argv);
   if (!key_file.empty()) setenv("SWARM_KEY", key_file.c_str(), 1);
@@ -340,6 +348,7 @@ int main(int argc, char** argv) {
     if (*bench) {
       return run_bench(bench_name, as_json);
     }
+    if (*simc) return run_sim(scenario_path, as_json, sim_seed);
     if (*exp) {
       try {
         const ExportSummary r = export_checkpoint(ckpt_path, export_out);

@@ -109,10 +109,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         else if (f.peers.count(who)) f.peers.at(who).silent = !f.peers.at(who).silent;
         break;
       case 5:
-        if (f.peers.count(who)) f.peers.at(who).wrong_shape = {2, 8, int64_t(in.byte() % 20)};
+        if (f.peers.count(who)) f.peers.at(who).quirks.wrong_shape = {2, 8, int64_t(in.byte() % 20)};
         break;
       case 6:
-        if (f.peers.count(who)) f.peers.at(who).bad_input_reports = in.byte() % 4;
+        if (f.peers.count(who)) f.peers.at(who).quirks.bad_input_reports = in.byte() % 4;
         break;
       case 7: {  // raw frames, parsed as the server does: the envelope first, the rest for known senders
         const std::string raw = in.bytes(255);

@@ -222,7 +222,7 @@ TEST(Core, ARestartedRouterResumesItsJobsFromTheStateDir) {
 TEST(Core, ALyingPeerIsQuarantinedAndItsHopsAreRedone) {
   FakeSwarm f;
   two_by_two(f);
-  f.peers.at("p-a1").wrong_shape = {2, 8, 15};  // activations of the wrong width
+  f.peers.at("p-a1").quirks.wrong_shape = {2, 8, 15};  // activations of the wrong width
   const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 6));
   ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
   const json st = f.status(job);
@@ -237,7 +237,7 @@ TEST(Core, ABadInputReportNeedsASecondOpinionBeforeItsMakerIsBlamed) {
   FakeSwarm f;
   two_by_two(f);
   // b0 claims the stage inputs it gets are bad. b1 takes them: b0 was wrong, and is blamed.
-  f.peers.at("p-b0").bad_input_reports = 1000;
+  f.peers.at("p-b0").quirks.bad_input_reports = 1000;
   const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 4));
   ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
   const json st = f.status(job);
@@ -250,8 +250,8 @@ TEST(Core, ABadInputReportNeedsASecondOpinionBeforeItsMakerIsBlamed) {
 TEST(Core, AnInputTwoPeersRejectIsBlamedOnItsMaker) {
   FakeSwarm f;
   two_by_two(f);
-  f.peers.at("p-b0").bad_input_reports = 1;
-  f.peers.at("p-b1").bad_input_reports = 1;
+  f.peers.at("p-b0").quirks.bad_input_reports = 1;
+  f.peers.at("p-b1").quirks.bad_input_reports = 1;
   json spec = FakeSwarm::tiny_spec(2, 2);
   spec["max_inflight"] = 1;  // one microbatch: both reports are about the same input
   const uint64_t job = f.submit(f.client(), spec);
@@ -368,7 +368,7 @@ TEST(Core, AFailedJobLeavesNoRequestBehindAndTheNextJobRuns) {
   FakeSwarm f;
   f.join("a", 0);
   f.join("b", 1);
-  f.peers.at("p-a").wrong_shape = {2, 8, 3};  // the only peer of stage 0 always lies
+  f.peers.at("p-a").quirks.wrong_shape = {2, 8, 3};  // the only peer of stage 0 always lies
   const PeerId c = f.client();
   json spec = FakeSwarm::tiny_spec(2, 2);
   spec["timeouts"] = {{"max_attempts", 3}};
@@ -376,7 +376,7 @@ TEST(Core, AFailedJobLeavesNoRequestBehindAndTheNextJobRuns) {
   ASSERT_TRUE(f.run(60, [&] { return f.status(first)["state"] == "failed"; })) << f.status(first).dump();
   EXPECT_NE(f.status(first)["reason"].get<std::string>().find("failed 3 times at stage 0"), std::string::npos);
   f.core.check_invariants();  // no request of the failed job is left
-  f.peers.at("p-a").wrong_shape.clear();
+  f.peers.at("p-a").quirks.wrong_shape.clear();
   const uint64_t second = f.submit(c, spec);
   EXPECT_TRUE(f.run(60, [&] { return f.status(second)["state"] == "done"; }));
 }
@@ -391,7 +391,7 @@ std::vector<PeerId> three_by_two_p2p(FakeSwarm& f) {
 
 size_t held_total(const FakeSwarm& f) {
   size_t n = 0;
-  for (const auto& [id, p] : f.peers) n += p.held.size();
+  for (const auto& [id, p] : f.peers) n += p.book.held.size();
   return n;
 }
 
@@ -416,7 +416,7 @@ TEST(CoreP2p, ActivationsAndGradientsGoPeerToPeerAndEveryHeldTensorIsReleased) {
   // Nothing is left held anywhere once the job is done.
   EXPECT_EQ(held_total(f), 0u);
   uint64_t released = 0;
-  for (const auto& [id, p] : f.peers) released += p.released;
+  for (const auto& [id, p] : f.peers) released += p.book.released;
   EXPECT_GT(released, 0u);
 }
 
@@ -433,7 +433,7 @@ TEST(CoreP2p, PeersWithoutAListenAddressAreRelayedThroughTheRouter) {
   EXPECT_EQ(st["microbatches"]["lost"], 0);
   // c0's gradients (the last stage's) came inline and went to b0 through the router.
   EXPECT_GT(st["hops"]["bytes_through_router"].get<uint64_t>(), 0u);
-  EXPECT_TRUE(f.peers.at("p-c0").held.empty());
+  EXPECT_TRUE(f.peers.at("p-c0").book.held.empty());
   const json peers = f.core.peers_json(0, 100, f.now)["peers"];
   for (const auto& p : peers) EXPECT_EQ(p["relayed"].get<bool>(), p["name"] == "c0") << p.dump();
 }
@@ -477,7 +477,7 @@ TEST(CoreP2p, AHolderOthersCannotReachIsRelayedByTheRouter) {
   // Two receivers (b0, b1) could not reach it: it is relayed for good, and says so.
   EXPECT_TRUE(f.logged("peer a0 is relayed from now on"));
   EXPECT_GT(received(f, "p-a0", MsgType::kFetch), 0u);
-  EXPECT_EQ(f.peers.at("p-a0").held.size(), 0u);
+  EXPECT_EQ(f.peers.at("p-a0").book.held.size(), 0u);
 }
 
 TEST(CoreP2p, AReferenceAnsweredForAnotherRequestIsRejectedAsALie) {

@@ -6,7 +6,6 @@
 #include <cstring>
 #include <fstream>
 
-#include "runtime/diloco.h"
 
 namespace swarm::router::testing {
 
@@ -20,16 +19,6 @@ std::string make_data_file() {
   std::ofstream f(path);
   for (int i = 0; i < 200; ++i) f << "The quick brown fox jumps over the lazy dog; a swarm trains one model across many machines. ";
   return path;
-}
-
-wire::Tensor zeros(std::vector<int64_t> shape, const compression::CodecSpec& codec) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  const size_t bytes = compression::encoded_bytes(codec, n);
-  wire::Tensor t = wire::make_tensor(wire::DType::kF32, std::move(shape), codec, bytes);
-  if (bytes) std::memset(t.data.data(), 0, bytes);
-  wire::seal(t);
-  return t;
 }
 
 }  // namespace
@@ -172,173 +161,42 @@ void FakeSwarm::take(Actions actions) {
 
 std::optional<wire::Message> FakeSwarm::fetch(FakePeer& p, const wire::Message& m, std::vector<int64_t>& fetched) {
   fetched.assign(m.tensors.size() + m.refs.size(), 0);
-  for (const wire::TensorRef& ref : m.refs) {
-    if (p.held.count(ref.key)) continue;  // its own
+  for (const wire::TensorRef* ref : sim::to_fetch(p.book, m)) {
     FakePeer* h = nullptr;
     for (auto& [id, q] : peers)
-      if (!q.listen.empty() && q.listen == ref.from) h = &q;
-    WireErrc code = WireErrc::kUnreachable;
+      if (!q.listen.empty() && q.listen == ref->from) h = &q;
+    sim::FetchFailure why = sim::FetchFailure::kUnreachable;
     if (h && h->alive && !h->unreachable) {
-      if (h->held.count(ref.key)) {
-        fetched[ref.slot] = int64_t(ref.desc.wire_bytes());
-        p.fetched_bytes += ref.desc.wire_bytes();
+      if (h->book.held.count(ref->key)) {
+        fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
+        p.fetched_bytes += ref->desc.wire_bytes();
         continue;
       }
-      code = WireErrc::kNotHeld;
+      why = sim::FetchFailure::kNotHeld;
     }
-    wire::Message e = msg::error_reply(&m, code, "cannot fetch tensor " + std::to_string(ref.slot) + " from " + ref.from);
-    msg::Error body = msg::read<msg::Error>(e);
-    body.tensor = int32_t(ref.slot);
-    e.body = msg::pack(body);
-    return e;
+    return sim::fetch_error(m, ref->slot, why, ref->from);
   }
   return std::nullopt;
 }
 
+// Answers at once (the reply arrives at the next tick): a hop's compute_ms is 1 ms per unit.
 void FakeSwarm::answer(FakePeer& p, const wire::Message& m) {
   using wire::MsgType;
-  const JobSpec& s = p.spec;
-  // A reply to a request that asked it to hold keeps its tensors here, referenced.
-  auto reply = [&](wire::Message r) {
-    if (m.hold && !r.tensors.empty() && r.type != MsgType::kError) {
-      for (size_t i = 0; i < r.tensors.size(); ++i) {
-        wire::TensorRef ref;
-        ref.slot = ref.part = uint32_t(i);
-        ref.key = m.id;
-        ref.desc = r.tensors[i].desc;
-        r.refs.push_back(std::move(ref));
-      }
-      p.held[m.id] = std::move(r.tensors);
-      r.tensors.clear();
-    }
-    inbox_.emplace_back(p.id, std::move(r));
-  };
-  auto act = [&](const std::string& codec) {
-    const auto shape = p.wrong_shape.empty() ? std::vector<int64_t>{s.batch.microbatch_size, s.model.seq_len, s.model.d_model} : p.wrong_shape;
-    return zeros(shape, compression::parse_codec(codec));
-  };
-  const int S = s.partition.stages;
-  switch (m.type) {
-    case MsgType::kLoadStage: {
-      const msg::LoadStage l = msg::read<msg::LoadStage>(m);
-      p.spec = parse_job_spec(l.spec, false);
-      p.stage = l.stage;
-      p.job = l.job_id;
-      msg::StageReady r;
-      r.job_id = l.job_id;
-      r.stage = l.stage;
-      r.params = p.params >= 0 ? p.params : stage_parameter_counts(p.spec)[size_t(l.stage)];
-      r.hash = p.hash;
-      return reply(msg::make(r, m.id, m.attempt));
-    }
-    case MsgType::kForward: case MsgType::kForwardLoss: case MsgType::kBackward: case MsgType::kEval: {
-      const msg::Hop h = msg::read<msg::Hop>(m);
-      std::vector<int64_t> fetched;
-      if (std::optional<wire::Message> e = fetch(p, m, fetched)) return reply(std::move(*e));
-      if (p.bad_input_reports > 0 && h.stage > 0 && m.type != MsgType::kBackward) {
-        p.bad_input_reports--;
-        wire::Message e = msg::error_reply(&m, WireErrc::kBadTensor, "non-finite values in the stage input");
-        msg::Error body = msg::read<msg::Error>(e);
-        body.tensor = 0;
-        e.body = msg::pack(body);
-        return reply(std::move(e));
-      }
-      msg::Result r;
-      r.mb = h.mb;
-      r.stage = h.stage;
-      for (int64_t b : fetched)
-        if (b > 0) r.fetched = fetched;
-      const bool last = h.stage == S - 1;
-      wire::Message rep;
-      if (m.type == MsgType::kForward || (m.type == MsgType::kEval && !last)) {
-        r.compute_ms = 1.0;
-        rep = msg::make(r, m.id, m.attempt);
-        rep.tensors.push_back(act(s.compression.activations));
-      } else if (m.type == MsgType::kEval) {
-        r.loss = 2.0;
-        rep = msg::make(r, m.id, m.attempt);
-      } else {
-        if (m.type == MsgType::kForwardLoss) r.loss = 2.0;
-        else r.cached = false;
-        r.samples = s.batch.microbatch_size;
-        r.compute_ms = 3.0;
-        rep = msg::make(r, m.id, m.attempt);
-        if (h.stage > 0) rep.tensors.push_back(act(s.compression.gradients));
-      }
-      return reply(std::move(rep));
-    }
-    case MsgType::kStep: {
-      msg::Result r;
-      r.stage = p.stage;
-      r.steps = 1;
-      return reply(msg::make(r, m.id, m.attempt));
-    }
-    case MsgType::kRoundBegin: case MsgType::kRoundReduce: {
-      const msg::RoundRef b = msg::read<msg::RoundBegin>(m);
-      std::vector<int64_t> fetched;
-      if (std::optional<wire::Message> e = fetch(p, m, fetched)) return reply(std::move(*e));
-      const size_t P = size_t(stage_parameter_counts(s)[size_t(p.stage)]);
-      const auto [lo, hi] = diloco::fragment_range(P, b.fragments, b.fragment);
-      const size_t all = b.what == msg::RoundWhat::kGrad ? P : hi - lo;
-      auto part = [&](int j) {
-        const auto [plo, phi] = diloco::fragment_range(all, b.shards, j);
-        return zeros({int64_t(phi - plo)}, compression::parse_codec(s.compression.outer));
-      };
-      wire::Message rep;
-      if (m.type == MsgType::kRoundBegin) {
-        msg::RoundDelta d;
-        d.round = b.round;
-        d.stage = p.stage;
-        d.what = b.what;
-        rep = msg::make(d, m.id, m.attempt);
-      } else {
-        msg::RoundReduced d;
-        d.round = b.round;
-        d.stage = p.stage;
-        rep = msg::make(d, m.id, m.attempt);
-      }
-      if (m.type == MsgType::kRoundBegin)
-        for (int j = 0; j < b.shards; ++j) rep.tensors.push_back(part(j));
-      else
-        rep.tensors.push_back(part(b.shard));
-      return reply(std::move(rep));
-    }
-    case MsgType::kRoundApply: case MsgType::kStateLoad: {
-      std::vector<int64_t> fetched;
-      if (std::optional<wire::Message> e = fetch(p, m, fetched)) return reply(std::move(*e));
-      msg::RoundDone d;
-      if (m.type == MsgType::kRoundApply) d.round = msg::read<msg::RoundApply>(m).round;
-      d.stage = p.stage;
-      d.hash = p.hash;
-      return reply(msg::make(d, m.id, m.attempt));
-    }
-    case MsgType::kStateRequest: {
-      const msg::StateRequest q = msg::read<msg::StateRequest>(m);
-      const int64_t P = stage_parameter_counts(s)[size_t(p.stage)];
-      msg::StateReply r;
-      r.stage = p.stage;
-      r.hash = p.hash;
-      r.full = q.full;
-      if (q.full) r.adam_step = 1;
-      wire::Message rep = msg::make(r, m.id, m.attempt);
-      for (int k = 0; k < (q.full ? 5 : 2); ++k) rep.tensors.push_back(zeros({P}, compression::CodecSpec{}));
-      return reply(std::move(rep));
-    }
-    case MsgType::kRelease:
-      for (int64_t key : msg::read<msg::Release>(m).keys) p.released += p.held.erase(uint64_t(key));
-      return;
-    case MsgType::kFetch: {
-      const msg::Fetch f = msg::read<msg::Fetch>(m);
-      auto it = p.held.find(f.key);
-      if (it == p.held.end() || size_t(f.part) >= it->second.size()) return reply(msg::error_reply(&m, WireErrc::kNotHeld, "not held"));
-      wire::Message r = msg::make(MsgType::kFetched, f, m.id, m.attempt);
-      r.tensors.push_back(wire::share(it->second[size_t(f.part)]));
-      inbox_.emplace_back(p.id, std::move(r));
-      return;
-    }
-    case MsgType::kBye: p.alive = false; return;
-    default: return;
+  if (m.type == MsgType::kBye) {
+    p.alive = false;
+    return;
   }
+  if (m.type == MsgType::kFetch) {
+    inbox_.emplace_back(p.id, sim::answer_fetch(p.book, m));
+    return;
+  }
+  std::vector<int64_t> fetched;
+  if (std::optional<wire::Message> e = fetch(p, m, fetched)) {
+    inbox_.emplace_back(p.id, std::move(*e));
+    return;
+  }
+  const double ms = sim::work_units(m.type, sim::has_graph(p.book, m));
+  if (std::optional<wire::Message> r = sim::reply(p.book, m, fetched, ms, p.quirks, payloads_)) inbox_.emplace_back(p.id, std::move(*r));
 }
 
 bool FakeSwarm::run(double seconds, const std::function<bool()>& until) {
@@ -357,8 +215,8 @@ bool FakeSwarm::run(double seconds, const std::function<bool()>& until) {
       for (auto& [id, p] : peers) {
         if (!p.alive) continue;
         msg::Heartbeat hb;
-        hb.stage = p.stage;
-        hb.job_id = p.job;
+        hb.stage = p.book.stage;
+        hb.job_id = p.book.job;
         deliver(id, msg::make(hb));
       }
     }

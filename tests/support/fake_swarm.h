@@ -1,6 +1,7 @@
 // fake_swarm.h: the router's core driven by hand, with a fake clock and no processes: stage
-// servers that answer what a real one would (of the right sizes, without a model), clients, and
-// the disk kept in memory. Each test decides when time passes and which peer misbehaves.
+// servers that answer what a real one would (of the right sizes, without a model: the
+// simulator's replies, sim/stage_replies.h), clients, and the disk kept in memory. Each test
+// decides when time passes and which peer misbehaves; replies arrive at the next tick.
 #pragma once
 
 #include <deque>
@@ -13,29 +14,25 @@
 
 #include "router/core.h"
 #include "runtime/messages.h"
+#include "sim/stage_replies.h"
 
 namespace swarm::router::testing {
 
 struct FakePeer {
   PeerId id;
   std::string name;
-  int stage = -1;         // the stage the router loaded
-  uint64_t job = 0;
   bool alive = true;      // dead peers receive nothing and answer nothing
   bool silent = false;    // alive (heartbeats) but answers nothing
   std::optional<wire::MsgType> silent_from;  // goes silent when it first receives this type
   bool auto_answer = true;
-  uint64_t hash = 7;      // the state hash it reports
-  int64_t params = -1;    // what it claims in STAGE_READY (-1: the truth)
-  std::vector<int64_t> wrong_shape;  // non-empty: returns activations of this shape
-  int bad_input_reports = 0;         // reports its next N stage inputs as bad (ERROR bad_tensor, tensor 0)
-  JobSpec spec;                      // the job it loaded
-  // Peer to peer: where others fetch from it ("": relayed), whether they can reach it, and what
-  // it holds for them (by request id).
+  // What it loaded and holds, and how it lies (wrong shapes, false bad-input reports, a wrong
+  // parameter count, its state hash): the simulator's stage server, sim/stage_replies.h.
+  sim::StageBook book;
+  sim::Quirks quirks;
+  // Peer to peer: where others fetch from it ("": relayed), whether they can reach it.
   std::string listen;
   bool unreachable = false;
-  std::map<uint64_t, std::vector<wire::Tensor>> held;
-  uint64_t released = 0, fetched_bytes = 0;
+  uint64_t fetched_bytes = 0;
   std::vector<wire::Message> received;  // everything the router sent it
 };
 
@@ -82,6 +79,7 @@ class FakeSwarm {
   void answer(FakePeer& p, const wire::Message& m);
   // The references of a request, fetched as a real peer would; the ERROR to answer when one fails.
   std::optional<wire::Message> fetch(FakePeer& p, const wire::Message& m, std::vector<int64_t>& fetched);
+  sim::Payloads payloads_;
   std::deque<std::pair<PeerId, wire::Message>> inbox_;   // replies due at the next step
   double last_beat_ = -1;
   std::string data_path_;

@@ -1,0 +1,292 @@
+// peers.cpp: the simulated stage servers (sim/world.h): HELLO and heartbeats, receiving the
+// router's messages, fetching referenced tensors from their holders over the links, one compute
+// thread each (requests in the order they become whole), answering through sim/stage_replies.h,
+// crashes and restarts, and the scenario's fault events.
+#include <algorithm>
+
+#include "runtime/timing.h"
+#include "sim/world.h"
+
+namespace swarm::sim {
+
+namespace {
+
+constexpr double kFetchTimeoutS = 30;      // swarm-stage --fetch-timeout-s default
+constexpr double kHelloRetryS = 2;         // a HELLO without WELCOME is said again
+constexpr uint64_t kSmallMessage = 128;    // a FETCH request on the wire [bytes]
+
+}  // namespace
+
+int World::peer_of(const std::string& routing_id) const {
+  auto it = by_id.find(routing_id);
+  if (it == by_id.end()) return -1;
+  const SimPeer& p = peers[size_t(it->second)];
+  return p.id == routing_id && p.alive ? p.index : -1;
+}
+
+void World::hello(int i) {
+  SimPeer& p = peers[size_t(i)];
+  const PeerGroup& g = sc.groups[size_t(p.group)];
+  msg::Hello h;
+  h.role = msg::Role::kStage;
+  h.version = wire::kVersion;
+  h.name = p.name;
+  h.stage = g.stage;
+  if (g.prefer_lo >= 0) h.prefer_stage = g.prefer_lo + p.within % (g.prefer_hi - g.prefer_lo + 1);
+  h.listen = p.listen;
+  h.device = p.dev.cuda ? "cuda:0" : "cpu";
+  h.device_name = p.dev.name;
+  if (p.dev.memory_bytes >= 0 && g.says_memory) h.device_memory_bytes = h.device_memory_free_bytes = p.dev.memory_bytes;
+  h.precision = p.dev.precision;
+  h.profile = p.dev.name;
+  h.threads = 1;
+  p.last_hello_s = now;
+  to_router(i, msg::make(h), now);
+}
+
+void World::join(int i) {
+  SimPeer& p = peers[size_t(i)];
+  if (p.alive) return;
+  p.generation++;
+  p.id = "p-" + p.name + (p.generation > 1 ? "." + std::to_string(p.generation) : "");
+  by_id[p.id] = i;
+  p.alive = true;
+  p.welcomed = false;
+  p.book = StageBook{};
+  p.quirks = Quirks{};
+  p.slow = 1;
+  p.corrupt_p = 0;
+  p.stall_until = 0;
+  p.ms_per_unit = 0;
+  p.busy_until = now;
+  p.host.up.free_s = p.host.down.free_s = now;
+  if (p.generation > 1) {
+    rejoins++;
+    line({{"event", "rejoin"}, {"t_s", now}, {"peer", p.name}, {"id", p.id}});
+  }
+  ideal_changed();
+  ideal_flops += p.dev.flops;
+  hello(i);
+  // Heartbeats at the router's pace, from a phase of its own.
+  schedule(now + rng.uniform(0.5, 1.0) * sc.heartbeat_ms / 1000.0, Ev::kHeartbeat, i);
+  schedule_crash(i);
+}
+
+void World::schedule_crash(int i) {
+  if (!(sc.faults.crash_per_hour > 0)) return;
+  schedule(now + rng.exponential(3600.0 / sc.faults.crash_per_hour), Ev::kCrash, i);
+}
+
+void World::crash(int i, const std::string& why, double rejoin_after_s) {
+  SimPeer& p = peers[size_t(i)];
+  if (!p.alive) return;
+  crashes++;
+  ideal_changed();
+  ideal_flops -= p.dev.flops;
+  line({{"event", "crash"}, {"t_s", now}, {"peer", p.name}, {"id", p.id}, {"stage", p.book.stage}, {"why", why}});
+  p.alive = false;
+  p.session++;            // its queued work, its timers and what it was sending die with it
+  p.book = StageBook{};   // so does what it held for others
+  if (rejoin_after_s >= 0) schedule(now + rejoin_after_s, Ev::kJoin, i);
+}
+
+void World::heartbeat(int i) {
+  SimPeer& p = peers[size_t(i)];
+  if (!p.alive) return;
+  schedule(now + sc.heartbeat_ms / 1000.0, Ev::kHeartbeat, i);
+  if (now < p.stall_until) return;   // stopped: no heartbeat either
+  if (!p.welcomed) {
+    if (now - p.last_hello_s >= kHelloRetryS) hello(i);
+    return;
+  }
+  msg::Heartbeat hb;
+  hb.stage = p.book.stage;
+  hb.job_id = p.book.job;
+  hb.ready = p.book.loaded;
+  hb.ms_per_unit = p.ms_per_unit;
+  to_router(i, msg::make(hb), now);
+}
+
+void World::peer_receives(int i, wire::Message m) {
+  using wire::MsgType;
+  SimPeer& p = peers[size_t(i)];
+  switch (m.type) {
+    case MsgType::kWelcome:
+      p.welcomed = true;
+      p.book.held.clear();   // a new session: the router knows nothing of what it held
+      p.book.held_bytes = 0;
+      return;
+    case MsgType::kError: {
+      const msg::Error e = msg::read<msg::Error>(m);
+      // The router does not know it (it restarted, or declared it dead): it introduces itself again.
+      if (e.code == int(WireErrc::kOutOfOrder) && e.request_type == int(MsgType::kHeartbeat)) {
+        p.welcomed = false;
+        hello(i);
+      }
+      return;
+    }
+    case MsgType::kBye: crash(i, "the router said goodbye", -1); return;
+    case MsgType::kHeartbeat: case MsgType::kChaos: return;
+    case MsgType::kRelease: {
+      std::vector<int64_t> none;
+      reply(p.book, m, none, 0, p.quirks, payloads);
+      return;
+    }
+    case MsgType::kFetch:
+      // The router relaying a tensor this peer holds (its I/O thread answers at once).
+      to_router(i, answer_fetch(p.book, m), now + p.dev.overhead_ms / 1000.0);
+      return;
+    default: break;
+  }
+  // A request: its references are fetched from their holders first (its I/O thread does that
+  // while the compute thread works), then it queues for the compute thread.
+  const uint32_t slot = stash(std::move(m));
+  Slot& s = slots[slot];
+  s.fetched.assign(s.m.tensors.size() + s.m.refs.size(), 0);
+  double whole = now, failed_at = 1e300;
+  for (const wire::TensorRef* ref : to_fetch(p.book, s.m)) {
+    fetches++;
+    auto it = by_listen.find(ref->from);
+    SimPeer* h = it == by_listen.end() ? nullptr : &peers[size_t(it->second)];
+    double done = 0;
+    std::optional<FetchFailure> why;
+    if (!h || !h->alive) {
+      why = FetchFailure::kUnreachable;   // nothing answers at that address: the fetch times out
+      done = now + kFetchTimeoutS;
+    } else {
+      const double asked = transfer(p.host, h->host, kSmallMessage, now);
+      const double answers = std::max(asked, h->stall_until);   // a stopped holder answers when it runs again
+      if (answers - now > kFetchTimeoutS) {
+        why = FetchFailure::kUnreachable;
+        done = now + kFetchTimeoutS;
+      } else if (!h->book.held.count(ref->key)) {
+        why = FetchFailure::kNotHeld;
+        done = transfer(h->host, p.host, kSmallMessage, answers);
+      } else {
+        done = transfer(h->host, p.host, ref->desc.nbytes, answers);
+        s.fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
+        keep_copy(p.book, ref->key);
+      }
+    }
+    if (why) {
+      fetch_failures++;
+      if (done < failed_at) {
+        failed_at = done;
+        s.failure = fetch_error(s.m, ref->slot, *why, ref->from);
+      }
+    } else {
+      whole = std::max(whole, done);
+    }
+  }
+  schedule(s.failure ? failed_at : whole, Ev::kWhole, i, slot);
+}
+
+void World::request_whole(int i, uint32_t slot) {
+  SimPeer& p = peers[size_t(i)];
+  Slot& s = slots[slot];
+  if (s.failure) {
+    to_router(i, *release_slot(slot).failure, now + p.dev.overhead_ms / 1000.0);
+    return;
+  }
+  // What the work costs on this device, jittered and slowed.
+  using wire::MsgType;
+  const wire::Message& m = s.m;
+  int stage = p.book.stage;
+  int64_t values = 0;
+  int members = 1;
+  if (m.type == MsgType::kLoadStage) {
+    stage = int(msg::read<msg::LoadStage>(m).stage);
+  } else if (m.type == MsgType::kRoundBegin || m.type == MsgType::kRoundReduce) {
+    const msg::RoundRef r = msg::read<msg::RoundBegin>(m);
+    const int64_t P = stage >= 0 ? costs.params[size_t(stage)] : 0;
+    values = r.what == msg::RoundWhat::kGrad ? P : P / std::max(1, r.fragments);
+    members = std::max(1, r.shards);
+    if (m.type == MsgType::kRoundReduce) values /= members;
+  } else if (m.type == MsgType::kRoundApply || m.type == MsgType::kStateLoad || m.type == MsgType::kStateRequest) {
+    values = stage >= 0 ? costs.params[size_t(stage)] : 0;
+    if (m.type != MsgType::kRoundApply) values *= int64_t(std::max<size_t>(1, m.tensors.size() + m.refs.size()));
+  }
+  const bool cached = has_graph(p.book, m);
+  s.compute_s = request_seconds(p.dev, costs, m.type, stage, cached, values, members) * rng.jitter(p.dev.jitter) * p.slow;
+  const double start = std::max(now, p.busy_until);
+  p.busy_until = start + s.compute_s;
+  schedule(p.busy_until, Ev::kComputed, i, slot);
+}
+
+void World::computed(int i, uint32_t slot) {
+  SimPeer& p = peers[size_t(i)];
+  if (now < p.stall_until) {   // stopped mid-work: it finishes when it runs again
+    schedule(p.stall_until, Ev::kComputed, i, slot);
+    return;
+  }
+  Slot s = release_slot(slot);
+  const double units = work_units(s.m.type, has_graph(p.book, s.m));
+  std::optional<wire::Message> rep = reply(p.book, s.m, s.fetched, s.compute_s * 1000.0, p.quirks, payloads);
+  if (units > 0) p.ms_per_unit = timing::ema(p.ms_per_unit, s.compute_s * 1000.0 / units);
+  peak_held_bytes = std::max(peak_held_bytes, p.book.held_bytes);
+  if (!rep) return;
+  if (p.corrupt_p > 0 && !rep->tensors.empty() && rng.chance(p.corrupt_p)) {
+    corrupt_sent++;
+    const double at = transfer(p.host, router_host, message_bytes(*rep), now);
+    schedule(at, Ev::kCorrupt, i, stash(std::move(*rep)));
+    return;
+  }
+  to_router(i, std::move(*rep), now);
+}
+
+void World::fault(size_t index) {
+  const FaultEvent& f = sc.faults.events[index];
+  using K = FaultEvent::Kind;
+  nlohmann::json names = nlohmann::json::array();
+  auto report = [&](const char* kind) {
+    line({{"event", "fault"}, {"t_s", now}, {"kind", kind}, {"peers", names}});
+  };
+  if (f.kind == K::kRestartRouter) {
+    if (router_alive) router_down(f.for_s);
+    return report("restart_router");
+  }
+  // The peers it hits: every live peer of the stage for kill_stage, else `peers` of the live
+  // ones (of its group and stage, when given), drawn by the seed.
+  std::vector<int> cands;
+  for (const SimPeer& p : peers) {
+    if (!p.alive || (!f.group.empty() && sc.groups[size_t(p.group)].name != f.group)) continue;
+    if (f.stage >= 0 && p.book.stage != f.stage) continue;
+    cands.push_back(p.index);
+  }
+  if (f.kind != K::kKillStage) {
+    const size_t n = std::min(cands.size(), size_t(f.peers));
+    for (size_t k = 0; k < n; ++k) std::swap(cands[k], cands[k + size_t(rng.below(cands.size() - k))]);
+    cands.resize(n);
+    std::sort(cands.begin(), cands.end());
+  }
+  for (int i : cands) {
+    SimPeer& p = peers[size_t(i)];
+    names.push_back(p.name);
+    switch (f.kind) {
+      case K::kKillStage: case K::kCrash: crash(i, "fault event", f.rejoin_after_s); continue;
+      case K::kStall: p.stall_until = std::max(p.stall_until, now + f.for_s); continue;
+      case K::kSlow: p.slow = f.factor; break;
+      case K::kCorrupt: p.corrupt_p = f.probability; break;
+      case K::kLie:
+        if (f.how == "wrong_shape") p.quirks.wrong_shape = {costs.B, costs.T, costs.d_model + 1};
+        else if (f.how == "bad_inputs") p.quirks.bad_input_reports = 1 << 30;
+        else p.quirks.claim_factor = 100;
+        break;
+      case K::kRestartRouter: break;
+    }
+    schedule(now + f.for_s, Ev::kFaultEnd, i);
+  }
+  static const char* kinds[] = {"stall", "slow", "corrupt", "lie", "kill_stage", "crash", "restart_router"};
+  report(kinds[int(f.kind)]);
+}
+
+void World::fault_end(int i) {
+  SimPeer& p = peers[size_t(i)];
+  p.slow = 1;
+  p.corrupt_p = 0;
+  const uint64_t hash = p.quirks.hash;
+  p.quirks = Quirks{};
+  p.quirks.hash = hash;
+}
+
+}  // namespace swarm::sim

@@ -1,0 +1,223 @@
+// report.cpp: what the simulator writes down (sim/world.h): trace samples (virtual tokens per
+// second against the ideal bound, peers per stage, the job's counters), events read from the
+// router's log (moves with their reasons, quarantines, the job's end), pauses, the summary and
+// the scenario's expectations.
+//
+// The ideal bound: the tokens per second the live peers would reach if every one computed all
+// the time on a perfect fractional assignment, with no link, latency or router in the way. A
+// microbatch costs 3 forward-equivalents on every stage (forward 1 + backward 2 with its graph
+// cached, or the last stage's forward-and-loss 3), so the bound is
+//   sum over live peers of FLOP/s  /  (3 * sum over stages of a forward's FLOPs)  * B * T.
+// No integer assignment of the peers beats it.
+#include <algorithm>
+#include <cstdio>
+
+#include "sim/world.h"
+
+namespace swarm::sim {
+
+namespace {
+
+const char* level_name(LogLevel l) {
+  switch (l) {
+    case LogLevel::kDebug: return "debug";
+    case LogLevel::kInfo: return "info";
+    case LogLevel::kWarn: return "warn";
+    case LogLevel::kError: return "error";
+  }
+  return "?";
+}
+
+uint64_t count(const nlohmann::json& j, const char* group, const char* key) {
+  if (!j.is_object() || !j.contains(group) || !j[group].is_object() || !j[group].contains(key) || !j[group][key].is_number()) return 0;
+  return j[group][key].get<uint64_t>();
+}
+
+}  // namespace
+
+void World::line(nlohmann::json j) {
+  if (opt.on_line) opt.on_line(j);
+}
+
+double World::ideal_tokens_per_s() const {
+  double sum = 0;
+  for (double f : costs.fwd_flops) sum += f;
+  return sum > 0 ? ideal_flops / (3.0 * sum) * double(costs.B * costs.T) : 0.0;
+}
+
+void World::ideal_changed() {
+  win.ideal_integral += ideal_tokens_per_s() * (now - ideal_mark_s);
+  ideal_mark_s = now;
+}
+
+void World::note_log(const router::Log& l) {
+  log_counts[level_name(l.level)]++;
+  if (sc.trace_logs) line({{"event", "log"}, {"t_s", now}, {"level", level_name(l.level)}, {"text", l.text}});
+  const std::string& t = l.text;
+  if (t.rfind("rebalance: moving peer", 0) == 0) {
+    moves++;
+    pause_check = true;
+    line({{"event", "move"}, {"t_s", now}, {"text", t.substr(11)}});
+  } else if (t.find(" quarantined (") != std::string::npos) {
+    quarantined++;
+    pause_check = true;
+    line({{"event", "quarantine"}, {"t_s", now}, {"text", t}});
+  } else if (t.find(" is gone: ") != std::string::npos) {
+    pause_check = true;
+  } else if (t.find(" restarts from its snapshot") != std::string::npos) {
+    line({{"event", "stage_restore"}, {"t_s", now}, {"text", t}});
+  } else if (job_id && t.rfind("job " + std::to_string(job_id) + " ", 0) == 0) {
+    const std::string rest = t.substr(5 + std::to_string(job_id).size());
+    if (rest == "running") {
+      job_running = true;
+      line({{"event", "running"}, {"t_s", now}});
+    }
+    for (const char* end : {"done", "failed", "cancelled"})
+      if (rest.rfind(end, 0) == 0) {
+        job_ended = true;
+        line({{"event", "job_end"}, {"t_s", now}, {"text", t}});
+      }
+  }
+}
+
+void World::check_pause() {
+  pause_check = false;
+  if (!router_alive || !job_running || job_ended) return;
+  std::vector<int> empty;
+  for (int s = 0; s < sc.job.partition.stages; ++s)
+    if (!core->registry().any_ready(job_id, s)) empty.push_back(s);
+  if (!empty.empty() && paused_since < 0) {
+    paused_since = now;
+    pauses++;
+    line({{"event", "paused"}, {"t_s", now}, {"stages", empty}});
+  } else if (empty.empty() && paused_since >= 0) {
+    paused_total_s += now - paused_since;
+    line({{"event", "resumed"}, {"t_s", now}, {"after_s", now - paused_since}});
+    paused_since = -1;
+  }
+  if (paused_since >= 0) schedule(now + 0.25, Ev::kPauseCheck);
+}
+
+void World::sample() {
+  ideal_changed();
+  const double dt = now - win.t0;
+  nlohmann::json st = router_alive && job_id ? core->status_json(job_id, now) : nlohmann::json();
+  const uint64_t completed = count(st, "microbatches", "completed");
+  const double tokens = completed > win.completed0 ? double(completed - win.completed0) * double(costs.B * costs.T) : 0.0;
+  const double tps = dt > 0 ? tokens / dt : 0.0, ideal = dt > 0 ? win.ideal_integral / dt : 0.0;
+  int alive = 0;
+  for (const SimPeer& p : peers) alive += p.alive;
+  nlohmann::json s{{"event", "sample"},
+                   {"t_s", now},
+                   {"window_s", dt},
+                   {"tokens_per_s", tps},
+                   {"ideal_tokens_per_s", ideal},
+                   {"vs_ideal", ideal > 0 ? tps / ideal : 0.0},
+                   {"router", router_alive ? "up" : "down"},
+                   {"peers_alive", alive}};
+  if (st.is_object() && st.contains("state")) {
+    s["state"] = st["state"];
+    s["reason"] = st.value("reason", std::string());
+    s["step"] = st.value("step", 0);
+    s["peers_per_stage"] = st["peers_per_stage"];
+    s["microbatches"] = st["microbatches"];
+    s["rounds"] = st.value("rounds", 0);
+    s["moves"] = moves;
+    last_state = st["state"].get<std::string>();
+    last_reason = s["reason"].get<std::string>();
+  }
+  s["router_link"] = {{"up_bytes", router_host.up.bytes}, {"down_bytes", router_host.down.bytes}};
+  line(s);
+  samples.push_back(s);
+  win = Window{now, completed, 0};
+  ideal_mark_s = now;
+}
+
+nlohmann::json World::summary() const {
+  nlohmann::json st = router_alive && job_id ? core->status_json(job_id, now) : nlohmann::json();
+  // The last simulated hour (or all of a shorter run), time-weighted over the samples in it.
+  double tok = 0, ideal = 0, span = 0;
+  const double from = std::max(0.0, now - 3600.0);
+  for (const auto& s : samples) {
+    const double t = s["t_s"].get<double>(), w = s["window_s"].get<double>();
+    if (t - w < from - 1e-9) continue;
+    tok += s["tokens_per_s"].get<double>() * w;
+    ideal += s["ideal_tokens_per_s"].get<double>() * w;
+    span += w;
+  }
+  const uint64_t taken = count(st, "microbatches", "taken"), completed = count(st, "microbatches", "completed");
+  const uint64_t in_flight = count(st, "microbatches", "in_flight");
+  uint64_t peer_bytes = 0;
+  double busiest_up = 0;
+  for (const SimPeer& p : peers) {
+    peer_bytes += p.host.up.bytes;
+    busiest_up = std::max(busiest_up, p.host.up.busy_s);
+  }
+  nlohmann::json job{{"id", job_id}, {"state", st.value("state", last_state)}, {"reason", st.value("reason", last_reason)}};
+  if (st.is_object() && st.contains("microbatches")) {
+    job["step"] = st["step"];
+    job["steps"] = st["steps"];
+    job["microbatches"] = st["microbatches"];
+    // Taken and neither completed nor in flight: lost (the router's own figure counts only at the end).
+    job["microbatches"]["lost"] = taken >= completed + in_flight ? taken - completed - in_flight : 0;
+    job["rounds"] = st["rounds"];
+    job["timeouts"] = st["timeouts"];
+    job["integrity_failures"] = st["integrity_failures"];
+    job["stage_restores"] = st["stage_restores"].size();
+    job["wire_bytes"] = st["wire_bytes"];
+    job["hops"] = st["hops"];
+    job["tokens_per_s"] = st["tokens_per_s"];
+    job["train_tokens_per_s_router"] = st["tokens_per_s"];
+  }
+  job["moves"] = moves;
+  job["quarantined"] = quarantined;
+  const double T = std::max(now, 1e-9);
+  return {{"event", "summary"},
+          {"scenario", sc.name},
+          {"seed", opt.seed.value_or(sc.seed)},
+          {"virtual_s", now},
+          {"peers", peers.size()},
+          {"job", job},
+          {"last_hour", {{"from_s", now - span}, {"tokens_per_s", span > 0 ? tok / span : 0.0}, {"ideal_tokens_per_s", span > 0 ? ideal / span : 0.0},
+                         {"vs_ideal", ideal > 0 ? tok / ideal : 0.0}}},
+          {"paused", {{"times", pauses}, {"total_s", paused_total_s + (paused_since >= 0 ? now - paused_since : 0.0)}}},
+          {"faults", {{"crashes", crashes}, {"rejoins", rejoins}, {"router_restarts", router_restarts}, {"corrupt_replies", corrupt_sent}}},
+          {"traffic", {{"router_link", {{"up_bytes", router_host.up.bytes}, {"down_bytes", router_host.down.bytes},
+                                        {"up_busy_share", router_host.up.busy_s / T}, {"down_busy_share", router_host.down.busy_s / T}}},
+                       {"peer_uplinks", {{"bytes", peer_bytes}, {"busiest_share", busiest_up / T}}},
+                       {"fetches", fetches}, {"fetch_failures", fetch_failures},
+                       {"messages_to_router", msgs_to_router}, {"messages_from_router", msgs_from_router},
+                       {"heartbeats_to_router", heartbeats_in}, {"heartbeats_from_router", heartbeats_out},
+                       {"heartbeats_to_router_per_s", double(heartbeats_in) / T}, {"messages_to_router_per_s", double(msgs_to_router) / T}}},
+          {"memory", {{"peak_held_bytes_one_peer", peak_held_bytes}}},
+          {"logs", log_counts}};
+}
+
+std::vector<std::string> World::check_expectations(const nlohmann::json& s) const {
+  std::vector<std::string> out;
+  const Expect& e = sc.expect;
+  const nlohmann::json& job = s["job"];
+  auto num = [](double v) {
+    char b[64];
+    std::snprintf(b, sizeof b, "%.4g", v);
+    return std::string(b);
+  };
+  if (e.job && job.value("state", std::string()) != *e.job)
+    out.push_back("the job ended " + job.value("state", std::string("unknown")) + " (expected " + *e.job + "): " + job.value("reason", std::string()));
+  const uint64_t lost = job.contains("microbatches") ? job["microbatches"].value("lost", uint64_t(0)) : 0;
+  if (e.lost && lost != *e.lost) out.push_back(std::to_string(lost) + " microbatches lost (expected " + std::to_string(*e.lost) + ")");
+  const double last = samples.empty() ? 0.0 : samples.back()["tokens_per_s"].get<double>();
+  if (e.min_tokens_per_s && last < *e.min_tokens_per_s)
+    out.push_back("the last window ran at " + num(last) + " tokens/s (expected at least " + num(*e.min_tokens_per_s) + ")");
+  const double vs = s["last_hour"]["vs_ideal"].get<double>();
+  if (e.min_vs_ideal && vs < *e.min_vs_ideal) out.push_back("tokens/s over the ideal bound " + num(vs) + " (expected at least " + num(*e.min_vs_ideal) + ")");
+  if (e.paused && (pauses > 0) != *e.paused) out.push_back(std::string("the job ") + (pauses ? "paused" : "never paused") + " (expected " + (*e.paused ? "a pause" : "none") + ")");
+  if (e.min_moves && moves < *e.min_moves) out.push_back(std::to_string(moves) + " rebalancer moves (expected at least " + std::to_string(*e.min_moves) + ")");
+  if (e.min_quarantined && quarantined < *e.min_quarantined)
+    out.push_back(std::to_string(quarantined) + " peers quarantined (expected at least " + std::to_string(*e.min_quarantined) + ")");
+  const uint64_t rounds = job.value("rounds", uint64_t(0));
+  if (e.min_rounds && rounds < *e.min_rounds) out.push_back(std::to_string(rounds) + " rounds (expected at least " + std::to_string(*e.min_rounds) + ")");
+  return out;
+}
+
+}  // namespace swarm::sim

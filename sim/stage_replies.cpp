@@ -1,0 +1,262 @@
+// stage_replies.cpp: implements sim/stage_replies.h.
+#include "sim/stage_replies.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "runtime/diloco.h"
+
+namespace swarm::sim {
+
+using wire::MsgType;
+
+wire::Tensor Payloads::zeros(wire::DType dtype, const std::vector<int64_t>& shape, const compression::CodecSpec& codec) {
+  std::string key = std::to_string(int(dtype)) + "|" + codec.name();
+  for (int64_t d : shape) key += "," + std::to_string(d);
+  auto it = cache_.find(key);
+  if (it == cache_.end()) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    const size_t bytes = dtype == wire::DType::kF32 ? compression::encoded_bytes(codec, n) : size_t(n) * wire::dtype_bytes(dtype);
+    wire::Tensor t = wire::make_tensor(dtype, shape, codec, bytes);
+    if (bytes) std::memset(t.data.data(), 0, bytes);
+    wire::seal(t);
+    it = cache_.emplace(std::move(key), std::move(t)).first;
+  }
+  return wire::share(it->second);
+}
+
+double work_units(MsgType t, bool cached) {
+  switch (t) {
+    case MsgType::kForward: case MsgType::kEval: return 1;
+    case MsgType::kForwardLoss: return 3;
+    case MsgType::kBackward: return cached ? 2 : 3;
+    default: return 0;
+  }
+}
+
+std::vector<const wire::TensorRef*> to_fetch(const StageBook& b, const wire::Message& m) {
+  std::vector<const wire::TensorRef*> out;
+  for (const wire::TensorRef& r : m.refs)
+    if (!b.held.count(r.key) && !b.copies.count(r.key)) out.push_back(&r);  // what it made or fetched before is at hand
+  return out;
+}
+
+void keep_copy(StageBook& b, uint64_t key) {
+  if (b.cache_entries == 0 || !b.copies.insert(key).second) return;
+  b.copy_order.push_back(key);
+  if (b.copy_order.size() > b.cache_entries) {
+    b.copies.erase(b.copy_order.front());
+    b.copy_order.erase(b.copy_order.begin());
+  }
+}
+
+wire::Message fetch_error(const wire::Message& req, uint32_t slot, FetchFailure why, const std::string& from) {
+  const WireErrc code = why == FetchFailure::kNotHeld ? WireErrc::kNotHeld : WireErrc::kUnreachable;
+  wire::Message e = msg::error_reply(&req, code, "cannot fetch tensor " + std::to_string(slot) + " from " + from);
+  msg::Error body = msg::read<msg::Error>(e);
+  body.tensor = int32_t(slot);
+  e.body = msg::pack(body);
+  return e;
+}
+
+bool has_graph(const StageBook& b, const wire::Message& m) {
+  if (m.type != MsgType::kBackward) return false;
+  return b.graphs.count(msg::read<msg::Hop>(m).mb) > 0;
+}
+
+namespace {
+
+void keep_graph(StageBook& b, uint64_t mb) {
+  if (b.cache_entries == 0 || !b.graphs.insert(mb).second) return;
+  b.graph_order.push_back(mb);
+  if (b.graph_order.size() > b.cache_entries) {
+    b.graphs.erase(b.graph_order.front());
+    b.graph_order.erase(b.graph_order.begin());
+  }
+}
+
+void load(StageBook& b, const wire::Message& m) {
+  const msg::LoadStage l = msg::read<msg::LoadStage>(m);
+  b.spec = parse_job_spec(l.spec, false);
+  b.loaded = true;
+  b.stage = l.stage;
+  b.job = l.job_id;
+  b.graphs.clear();
+  b.graph_order.clear();
+  // The codecs its hops answer in; the subspace codec travels bound to the model, as a stage binds it.
+  b.act_codec = compression::parse_codec(b.spec.compression.activations);
+  b.grad_codec = compression::parse_codec(b.spec.compression.gradients);
+  if (const auto sub = compression::subspace_job(b.spec.compression.activations, b.spec.compression.gradients,
+                                                 b.spec.compression.outer, b.spec.model.d_model, b.spec.model.vocab_size)) {
+    if (sub->activations) b.act_codec = *sub->activations;
+    if (sub->gradients) b.grad_codec = *sub->gradients;
+  }
+}
+
+wire::Message hop(StageBook& b, const wire::Message& m, const std::vector<int64_t>& fetched, double compute_ms, Quirks& q,
+                  Payloads& pay) {
+  const JobSpec& s = b.spec;
+  const msg::Hop h = msg::read<msg::Hop>(m);
+  if (q.bad_input_reports > 0 && h.stage > 0 && m.type != MsgType::kBackward) {
+    q.bad_input_reports--;
+    wire::Message e = msg::error_reply(&m, WireErrc::kBadTensor, "non-finite values in the stage input");
+    msg::Error body = msg::read<msg::Error>(e);
+    body.tensor = 0;
+    e.body = msg::pack(body);
+    return e;
+  }
+  auto act = [&](const compression::CodecSpec& codec) {
+    const std::vector<int64_t> shape =
+        q.wrong_shape.empty() ? std::vector<int64_t>{s.batch.microbatch_size, s.model.seq_len, s.model.d_model} : q.wrong_shape;
+    return pay.zeros(wire::DType::kF32, shape, codec);
+  };
+  msg::Result r;
+  r.mb = h.mb;
+  r.stage = h.stage;
+  for (int64_t n : fetched)
+    if (n > 0) r.fetched = fetched;
+  r.compute_ms = compute_ms / std::max(1e-9, q.claim_factor);
+  const bool last = h.stage == s.partition.stages - 1;
+  wire::Message rep;
+  if (m.type == MsgType::kForward || (m.type == MsgType::kEval && !last)) {
+    if (m.type == MsgType::kForward) keep_graph(b, h.mb);
+    rep = msg::make(r, m.id, m.attempt);
+    rep.tensors.push_back(act(b.act_codec));
+  } else if (m.type == MsgType::kEval) {
+    r.loss = 2.0;
+    rep = msg::make(r, m.id, m.attempt);
+  } else {
+    if (m.type == MsgType::kForwardLoss) {
+      r.loss = 2.0;
+    } else {
+      r.cached = b.graphs.count(h.mb) > 0;
+      b.graphs.erase(h.mb);
+    }
+    r.samples = s.batch.microbatch_size;
+    rep = msg::make(r, m.id, m.attempt);
+    if (h.stage > 0) rep.tensors.push_back(act(b.grad_codec));
+  }
+  return rep;
+}
+
+wire::Message round_part(StageBook& b, const wire::Message& m, Payloads& pay) {
+  const JobSpec& s = b.spec;
+  const msg::RoundRef ref = msg::read<msg::RoundBegin>(m);
+  const size_t P = size_t(stage_parameter_counts(s)[size_t(b.stage)]);
+  const auto [lo, hi] = diloco::fragment_range(P, ref.fragments, ref.fragment);
+  const size_t all = ref.what == msg::RoundWhat::kGrad ? P : hi - lo;
+  const compression::CodecSpec outer = compression::parse_codec(s.compression.outer);
+  auto part = [&](int j) {
+    const auto [plo, phi] = diloco::fragment_range(all, ref.shards, j);
+    return pay.zeros(wire::DType::kF32, {int64_t(phi - plo)}, outer);
+  };
+  wire::Message rep;
+  if (m.type == MsgType::kRoundBegin) {
+    msg::RoundDelta d;
+    d.round = ref.round;
+    d.stage = b.stage;
+    d.what = ref.what;
+    rep = msg::make(d, m.id, m.attempt);
+    for (int j = 0; j < ref.shards; ++j) rep.tensors.push_back(part(j));
+  } else {
+    msg::RoundReduced d;
+    d.round = ref.round;
+    d.stage = b.stage;
+    rep = msg::make(d, m.id, m.attempt);
+    rep.tensors.push_back(part(ref.shard));
+  }
+  return rep;
+}
+
+}  // namespace
+
+std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const std::vector<int64_t>& fetched, double compute_ms,
+                                   Quirks& q, Payloads& pay) {
+  wire::Message rep;
+  switch (m.type) {
+    case MsgType::kLoadStage: {
+      load(b, m);
+      msg::StageReady r;
+      r.job_id = b.job;
+      r.stage = b.stage;
+      r.params = q.params >= 0 ? q.params : stage_parameter_counts(b.spec)[size_t(b.stage)];
+      r.hash = q.hash;
+      rep = msg::make(r, m.id, m.attempt);
+      break;
+    }
+    case MsgType::kForward: case MsgType::kForwardLoss: case MsgType::kBackward: case MsgType::kEval:
+      if (!b.loaded) return msg::error_reply(&m, WireErrc::kOutOfOrder, "no stage loaded");
+      rep = hop(b, m, fetched, compute_ms, q, pay);
+      break;
+    case MsgType::kStep: {
+      msg::Result r;
+      r.stage = b.stage;
+      r.steps = 1;
+      rep = msg::make(r, m.id, m.attempt);
+      break;
+    }
+    case MsgType::kRoundBegin: case MsgType::kRoundReduce:
+      if (!b.loaded) return msg::error_reply(&m, WireErrc::kOutOfOrder, "no stage loaded");
+      rep = round_part(b, m, pay);
+      break;
+    case MsgType::kRoundApply: case MsgType::kStateLoad: {
+      msg::RoundDone d;
+      if (m.type == MsgType::kRoundApply) d.round = msg::read<msg::RoundApply>(m).round;
+      d.stage = b.stage;
+      d.hash = q.hash;
+      rep = msg::make(d, m.id, m.attempt);
+      break;
+    }
+    case MsgType::kStateRequest: {
+      if (!b.loaded) return msg::error_reply(&m, WireErrc::kOutOfOrder, "no stage loaded");
+      const msg::StateRequest sr = msg::read<msg::StateRequest>(m);
+      const int64_t P = stage_parameter_counts(b.spec)[size_t(b.stage)];
+      msg::StateReply r;
+      r.stage = b.stage;
+      r.hash = q.hash;
+      r.full = sr.full;
+      if (sr.full) r.adam_step = 1;
+      rep = msg::make(r, m.id, m.attempt);
+      for (int k = 0; k < (sr.full ? 5 : 2); ++k) rep.tensors.push_back(pay.zeros(wire::DType::kF32, {P}, compression::CodecSpec{}));
+      break;
+    }
+    case MsgType::kRelease:
+      for (int64_t key : msg::read<msg::Release>(m).keys) {
+        b.copies.erase(uint64_t(key));   // its copy_order entry ages out
+        auto it = b.held.find(uint64_t(key));
+        if (it == b.held.end()) continue;
+        for (const wire::Tensor& t : it->second) b.held_bytes -= std::min<uint64_t>(b.held_bytes, t.desc.nbytes);
+        b.held.erase(it);
+        b.released++;
+      }
+      return std::nullopt;
+    default:
+      return std::nullopt;
+  }
+  // A reply to a request that asked it to hold keeps its tensors here, referenced.
+  if (m.hold && !rep.tensors.empty() && rep.type != MsgType::kError) {
+    for (size_t i = 0; i < rep.tensors.size(); ++i) {
+      wire::TensorRef ref;
+      ref.slot = ref.part = uint32_t(i);
+      ref.key = m.id;
+      ref.desc = rep.tensors[i].desc;
+      b.held_bytes += ref.desc.nbytes;
+      rep.refs.push_back(std::move(ref));
+    }
+    b.held[m.id] = std::move(rep.tensors);
+    rep.tensors.clear();
+  }
+  return rep;
+}
+
+wire::Message answer_fetch(StageBook& b, const wire::Message& m) {
+  const msg::Fetch f = msg::read<msg::Fetch>(m);
+  auto it = b.held.find(f.key);
+  if (it == b.held.end() || size_t(f.part) >= it->second.size()) return msg::error_reply(&m, WireErrc::kNotHeld, "not held");
+  wire::Message r = msg::make(MsgType::kFetched, f, m.id, m.attempt);
+  r.tensors.push_back(wire::share(it->second[size_t(f.part)]));
+  return r;
+}
+
+}  // namespace swarm::sim

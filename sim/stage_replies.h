@@ -1,0 +1,95 @@
+// stage_replies.h: what a stage server answers the router, without a model: the simulator's
+// peers and the router core's test peers (tests/support/fake_swarm.h) both answer through it.
+//
+// Defines swarm::sim::Payloads (one sealed payload of zeros per tensor description, shared by
+// every reply that carries one: the router checks descriptions, never values), StageBook (what
+// a stage server knows: the job and stage it loaded, the tensors it holds for others, the
+// forward graphs it keeps), Quirks (how a peer departs from the truth: misshapen outputs, false
+// reports of bad inputs, a wrong parameter count), `to_fetch` and `fetch_error` (a request's
+// references, and the ERROR when one cannot be fetched), `reply` (the answer to any router
+// request, holding its tensors when asked to), `answer_fetch` (a FETCH from another peer) and
+// `work_units` (the compute a request costs, in the router's units). No clock, no I/O: the
+// caller decides when the answer leaves and what the work cost.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "runtime/job_spec.h"
+#include "runtime/messages.h"
+
+namespace swarm::sim {
+
+// Sealed tensors of zeros, one per (dtype, shape, codec): a reply shares the cached payload
+// (wire::share), so a thousand peers answering [B, T, d_model] activations hold one buffer.
+class Payloads {
+ public:
+  wire::Tensor zeros(wire::DType dtype, const std::vector<int64_t>& shape, const compression::CodecSpec& codec);
+  size_t size() const { return cache_.size(); }
+
+ private:
+  std::map<std::string, wire::Tensor> cache_;
+};
+
+// What a stage server knows between requests.
+struct StageBook {
+  bool loaded = false;
+  JobSpec spec;                  // the job of its last LOAD_STAGE
+  uint64_t job = 0;
+  int stage = -1;
+  compression::CodecSpec act_codec, grad_codec;   // what its hops answer in (bound to the model for subspace)
+  // Peer to peer: the tensors of the replies it was asked to hold, by request id.
+  std::map<uint64_t, std::vector<wire::Tensor>> held;
+  uint64_t held_bytes = 0;       // what `held` keeps [bytes]
+  uint64_t released = 0;         // holdings dropped on RELEASE
+  // Copies of what it fetched (by key), so a BACKWARD that comes back to the peer of the forward
+  // fetches nothing (stages/holdings.h keeps them the same way); the newest cache_entries.
+  std::set<uint64_t> copies;
+  std::vector<uint64_t> copy_order;
+  // The affinity cache: microbatches whose forward graph it keeps (the newest cache_entries).
+  std::set<uint64_t> graphs;
+  std::vector<uint64_t> graph_order;
+  size_t cache_entries = 64;
+};
+
+// How a peer lies or breaks.
+struct Quirks {
+  std::vector<int64_t> wrong_shape;  // non-empty: its activations have this shape
+  int bad_input_reports = 0;         // reports its next N stage inputs as bad (ERROR bad_tensor, tensor 0)
+  int64_t params = -1;               // what it claims in STAGE_READY (-1: the truth)
+  uint64_t hash = 7;                 // the state hash it reports
+  double claim_factor = 1;           // reports compute_ms / claim_factor (> 1: claims to be faster)
+};
+
+// Compute units of a request, as stage servers count them (a forward is 1; a backward with its
+// forward's graph cached 2, recomputing it 3; a forward with the loss and its backward 3).
+double work_units(wire::MsgType t, bool cached);
+
+// The references of `m` the server must fetch before it can act (those it neither holds nor
+// keeps a copy of), and a fetched one kept as a copy.
+std::vector<const wire::TensorRef*> to_fetch(const StageBook& b, const wire::Message& m);
+void keep_copy(StageBook& b, uint64_t key);
+
+enum class FetchFailure { kUnreachable, kNotHeld };
+// The answer to `req` when reference slot `slot` (held at `from`) could not be fetched.
+wire::Message fetch_error(const wire::Message& req, uint32_t slot, FetchFailure why, const std::string& from);
+
+// Whether a BACKWARD (or FORWARD_LOSS) of microbatch `mb` finds its forward's graph cached; a
+// FORWARD keeps one. Called by `reply`; exposed so the caller can time the work before it.
+bool has_graph(const StageBook& b, const wire::Message& m);
+
+// The reply to a router request, or nullopt for a message without one (RELEASE, HEARTBEAT,
+// WELCOME, BYE, CHAOS). `fetched`: bytes fetched peer to peer per request slot (empty: none).
+// `compute_ms`: what the work took, reported in hop RESULTs. A request with `hold` keeps the
+// reply's tensors in `b.held` and answers with references to them.
+std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const std::vector<int64_t>& fetched, double compute_ms,
+                                   Quirks& q, Payloads& pay);
+
+// A peer's FETCH {key, part}: FETCHED with the held tensor (shared), or ERROR not_held.
+wire::Message answer_fetch(StageBook& b, const wire::Message& m);
+
+}  // namespace swarm::sim

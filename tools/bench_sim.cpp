@@ -1,0 +1,194 @@
+// bench_sim.cpp: `swarm bench sim` (see bench.h): the simulator (sim/simulator.h) against a real
+// swarm, and at scale.
+//
+// sim_vs_real: the bundled example on 4 stages x 2 peers, run for real (`swarm local`'s
+//   processes, tools/local_swarm.h); each peer's own compute speed read from its heartbeat
+//   (ms per work unit) becomes a measured profile; the simulator runs the same job on those
+//   profiles; its tokens/s / the real one.
+// sim_1000_vs_ideal, virtual_per_wall, core_events_per_s: examples/sim/scale/swarm_1000.json
+//   (1,000 peers, 25% a100-like, 75% t4-like, started badly placed, 32 stages, churn, 1 Gbit/s
+//   links), for SWARM_SIM_BENCH_S virtual seconds (default 600: at the measured speed a full
+//   hour takes tens of minutes here); tokens/s over the second half of the run / the ideal bound.
+// core_events_per_s_10000: examples/sim/scale/swarm_10000.json, reported (SWARM_SIM_BENCH_10000=0
+//   skips it).
+// lost: the most microbatches lost in any of these runs.
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <thread>
+
+#include "runtime/client.h"
+#include "runtime/job_spec.h"
+#include "sim/simulator.h"
+#include "tools/bench.h"
+#include "tools/local_swarm.h"
+
+namespace swarm {
+
+namespace {
+
+using nlohmann::json;
+
+const std::string kSource = SWARM_SOURCE_DIR;
+
+void say(bool as_json, const json& j, const std::string& text) {
+  if (as_json) std::cout << j.dump() << std::endl;
+  else std::cout << text << std::endl;
+}
+
+// The bundled example as the real run and the simulation both train it: async, no round or
+// evaluation inside the measured steps.
+json example_job(int steps) {
+  json j = sim::load_scenario(kSource + "/examples/sim/tiny_local.json").job_json;
+  j["steps"] = steps;
+  j["schedule"] = "async";
+  j["diloco"]["inner_steps"] = 1000;
+  j["eval"] = {{"every_steps", 0}, {"batches", 2}};
+  return j;
+}
+
+// The real swarm: tokens/s of its training (the router's figure) and each peer's stage and own
+// ms per work unit (from its heartbeat).
+struct RealRun {
+  double tokens_per_s = 0;
+  std::vector<std::pair<int, double>> peers;   // (stage, ms per unit)
+  uint64_t lost = 0;
+};
+
+RealRun real_run(const json& job) {
+  char tmpl[] = "/tmp/swarm-bench-sim-XXXXXX";
+  const std::string dir = mkdtemp(tmpl) ? tmpl : "/tmp";
+  LocalSwarm swarm(dir);
+  swarm.start_router();
+  const int S = job["partition"]["stages"].get<int>();
+  for (int s = 0; s < S; ++s)
+    for (int i = 0; i < 2; ++i) swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), 1);
+  Client c(swarm.router_endpoint());
+  for (int i = 0; i < 400 && c.request_body(wire::MsgType::kPeers, json::object())["peers"].size() < size_t(2 * S); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const uint64_t id = c.request_body(wire::MsgType::kSubmit, json{{"spec", job}}).at("job_id").get<uint64_t>();
+  // Polled until done; the peers' speeds are read while they work.
+  json st;
+  RealRun r;
+  for (int i = 0; i < 1800; ++i) {
+    st = c.request_body(wire::MsgType::kStatus, json{{"job_id", id}});
+    const std::string state = st.value("state", std::string());
+    if (state == "done" || state == "failed" || state == "cancelled") break;
+    if (state == "running") {
+      const json peers = c.request_body(wire::MsgType::kPeers, json{{"offset", 0}, {"limit", 100}})["peers"];
+      std::vector<std::pair<int, double>> now;
+      for (const json& p : peers) {
+        // Its own figure (compute only); else what the router measured (transfers included).
+        const double ms = p["heartbeat"].value("ms_per_unit", 0.0) > 0 ? p["heartbeat"]["ms_per_unit"].get<double>() : p.value("ms_per_unit", 0.0);
+        if (ms > 0 && p["stage"].get<int>() >= 0) now.emplace_back(p["stage"].get<int>(), ms);
+      }
+      if (now.size() == size_t(2 * S)) r.peers = now;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  r.tokens_per_s = st.value("tokens_per_s", 0.0);
+  r.lost = st["microbatches"].value("lost", uint64_t(0));
+  swarm.stop_all();
+  if (st.value("state", std::string()) != "done") throw std::runtime_error("the real run failed: " + st.value("reason", std::string()));
+  return r;
+}
+
+// The same swarm simulated: one measured profile per real peer, pinned to its stage.
+json simulated(const json& job, const RealRun& real, uint64_t* lost) {
+  json sc = json::parse(R"({"name": "sim_vs_real", "seed": 1, "duration_s": 3600, "sample_s": 5})");
+  sc["job"] = job;
+  sc["router"] = {{"link", {{"gbps", 40}, {"latency_ms", 0.05}}}};
+  sc["profiles"] = json::object();
+  sc["peers"] = json::array();
+  for (size_t i = 0; i < real.peers.size(); ++i) {
+    const auto [stage, ms] = real.peers[i];
+    const std::string name = "measured" + std::to_string(i);
+    sc["profiles"][name] = {{"base", "cpu"}, {"ms_per_unit", ms > 0 ? ms : 1.0}, {"on_stage", stage}};
+    sc["peers"].push_back({{"name", "peer" + std::to_string(i)}, {"profile", name}, {"stage", stage}, {"link", {{"gbps", 40}, {"latency_ms", 0.05}}}});
+  }
+  sim::SimOptions o;
+  o.measure_cpu = false;
+  if (real.peers.empty()) throw std::runtime_error("the real swarm listed no peers");
+  const sim::SimResult r = sim::simulate(sim::parse_scenario(sc, kSource + "/examples/sim"), o);
+  *lost = std::max(*lost, r.summary["job"]["microbatches"].value("lost", uint64_t(0)));
+  return r.summary;
+}
+
+// A scale scenario for `seconds` of virtual time: its summary, its perf line and tokens/s over
+// the ideal across the samples of its second half.
+struct ScaleRun {
+  json summary, perf;
+  double vs_ideal = 0;
+};
+
+ScaleRun scale_run(const std::string& file, double seconds) {
+  sim::Scenario s = sim::load_scenario(kSource + "/examples/sim/scale/" + file);
+  if (seconds > 0) s.duration_s = seconds;
+  std::vector<json> samples;
+  sim::SimOptions o;
+  o.on_line = [&](const json& j) {
+    if (j.value("event", std::string()) == "sample") samples.push_back(j);
+  };
+  const sim::SimResult r = sim::simulate(s, o);
+  double tok = 0, ideal = 0;
+  for (const json& j : samples) {
+    if (j["t_s"].get<double>() - j["window_s"].get<double>() < s.duration_s / 2 - 1e-9) continue;
+    tok += j["tokens_per_s"].get<double>() * j["window_s"].get<double>();
+    ideal += j["ideal_tokens_per_s"].get<double>() * j["window_s"].get<double>();
+  }
+  return ScaleRun{r.summary, r.perf, ideal > 0 ? tok / ideal : 0.0};
+}
+
+}  // namespace
+
+int run_sim_bench(bool as_json) {
+  uint64_t lost = 0;
+  // 1. The simulator against the real thing.
+  const json job = example_job(60);
+  const RealRun real = real_run(job);
+  lost = std::max(lost, real.lost);
+  const json sim = simulated(job, real, &lost);
+  const double sim_tps = sim["job"].value("tokens_per_s", 0.0);
+  const double vs_real = real.tokens_per_s > 0 ? sim_tps / real.tokens_per_s : 0.0;
+  json measured = json::array();
+  for (const auto& [stage, ms] : real.peers) measured.push_back({{"stage", stage}, {"ms_per_unit", ms}});
+  say(as_json, {{"bench", "sim"}, {"case", "sim_vs_real"}, {"real_tokens_per_s", real.tokens_per_s}, {"sim_tokens_per_s", sim_tps}, {"peers", measured}},
+      "bundled example, 4 x 2: real " + std::to_string(real.tokens_per_s) + " tokens/s, simulated " + std::to_string(sim_tps) + " (" +
+          std::to_string(vs_real) + ")");
+
+  // 2. A thousand peers, and ten thousand.
+  const char* env = std::getenv("SWARM_SIM_BENCH_S");
+  const double seconds = env ? std::atof(env) : 600.0;
+  const ScaleRun k1 = scale_run("swarm_1000.json", seconds);
+  lost = std::max(lost, k1.summary["job"]["microbatches"].value("lost", uint64_t(0)));
+  say(as_json, {{"bench", "sim"}, {"case", "swarm_1000"}, {"virtual_s", seconds}, {"vs_ideal_second_half", k1.vs_ideal}, {"summary", k1.summary}, {"perf", k1.perf}},
+      "1,000 peers, " + std::to_string(int(seconds)) + " virtual s: " + std::to_string(k1.vs_ideal) + " of the ideal over the second half; core " +
+          std::to_string(k1.perf.value("core_events_per_cpu_s", 0.0)) + " events per CPU s; " + std::to_string(k1.perf.value("virtual_per_wall", 0.0)) +
+          " virtual s per wall s");
+  // The 10,000-peer start is quadratic in the core today (docs/scale.md): SWARM_SIM_BENCH_10000=0
+  // leaves it out.
+  ScaleRun k10;
+  k10.perf = json::object();
+  const char* ten = std::getenv("SWARM_SIM_BENCH_10000");
+  if (!ten || std::string(ten) != "0") {
+    k10 = scale_run("swarm_10000.json", 0);
+    lost = std::max(lost, k10.summary["job"]["microbatches"].value("lost", uint64_t(0)));
+    say(as_json, {{"bench", "sim"}, {"case", "swarm_10000"}, {"summary", k10.summary}, {"perf", k10.perf}},
+        "10,000 peers: core " + std::to_string(k10.perf.value("core_events_per_cpu_s", 0.0)) + " events per CPU s");
+  }
+
+  json summary{{"bench", "sim"},
+               {"figures",
+                {{"sim_vs_real", {{"value", vs_real}, {"target", "0.85 to 1.15"}}},
+                 {"sim_1000_vs_ideal", {{"value", k1.vs_ideal}, {"target", ">= 0.85 (second half of a " + std::to_string(int(seconds)) + " s run, not the last hour of 3600 s)"}}},
+                 {"core_events_per_s", {{"value", k1.perf.value("core_events_per_cpu_s", 0.0)}, {"target", ">= 200000 (1,000 peers)"}}},
+                 {"core_events_per_s_10000", {{"value", k10.perf.value("core_events_per_cpu_s", 0.0)}, {"target", "report (10,000 peers)"}}},
+                 {"virtual_per_wall", {{"value", k1.perf.value("virtual_per_wall", 0.0)}, {"target", ">= 60 (1,000 peers)"}}},
+                 {"lost", {{"value", lost}, {"target", "0"}}}}},
+               {"raw", {{"real_tokens_per_s", real.tokens_per_s}, {"sim_tokens_per_s", sim_tps}, {"sim_1000_virtual_s", seconds},
+                        {"perf_1000", k1.perf}, {"perf_10000", k10.perf}, {"last_hour_1000", k1.summary["last_hour"]}}}};
+  std::cout << (as_json ? summary.dump() : summary.dump(2)) << std::endl;
+  return 0;
+}
+
+}  // namespace swarm
