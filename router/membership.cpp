@@ -189,7 +189,7 @@ void TrainingJob::integrity_failure(Ctx& c, const PeerId& id, const std::string&
   }
   p->state = PeerState::kQuarantined;
   const std::string reason = std::to_string(p->integrity_failures) + " integrity failures, the last: " + what;
-  quarantined_.push_back({{"peer", p->hello.name}, {"id", id}, {"stage", p->stage}, {"reason", reason}});
+  quarantined_.push_back({{"peer", p->hello.name}, {"id", wire::printable_id(id)}, {"stage", p->stage}, {"reason", reason}});
   c.warn("peer " + p->hello.name + " quarantined (" + reason + ")");
   for (uint64_t rid : c.requests.of_peer(id))
     if (auto pd = c.take(rid)) on_failed(c, *pd, false, -1, "peer quarantined");

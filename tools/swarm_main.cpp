@@ -227,7 +227,7 @@ int main(int argc, char** argv) {
         };
         for (const auto& p : rep["peers"]) {
           // HOPS: "direct" when other peers fetch its tensors from it, "relayed" when they go through the router.
-          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-7s %-10.2f %-8s %s\n", p["id"].get<std::string>().c_str(), p["name"].get<std::string>().c_str(),
+          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-7s %-10.2f %-8s %s\n", wire::printable_id(wire::id_from_json(p["id"])).c_str(), p["name"].get<std::string>().c_str(),
                       p["stage"].get<int>(), p["state"].get<std::string>().c_str(), p.value("device_name", p["device"].get<std::string>()).c_str(),
                       gib(p, "device_memory_bytes").c_str(), gib(p, "device_memory_free_bytes").c_str(), p["ms_per_unit"].get<double>(),
                       p.value("relayed", true) ? "relayed" : "direct",
@@ -243,8 +243,11 @@ int main(int argc, char** argv) {
         throw SpecError(std::string("--fault: ") + e.what());
       }
       Client c(router);
-      json rep = c.request_body(wire::MsgType::kChaos, json{{"peer", peer_id}, {"fault", fault_text}});
-      std::cout << "fault " << rep.value("fault", fault_text) << " sent to peer " << rep.value("name", peer_id) << " (" << rep.value("peer", std::string()) << ")" << std::endl;
+      // An id `swarm peers` printed as 0x + hex (not printable) goes back as its bytes (msgpack bin).
+      const std::optional<std::string> raw_id = wire::id_from_hex(peer_id);
+      json rep = c.request_body(wire::MsgType::kChaos, json{{"peer", raw_id ? wire::id_json(*raw_id) : json(peer_id)}, {"fault", fault_text}});
+      std::cout << "fault " << rep.value("fault", fault_text) << " sent to peer " << rep.value("name", peer_id) << " ("
+                << wire::printable_id(wire::id_from_json(rep.value("peer", json()))) << ")" << std::endl;
       return 0;
     }
     if (*cancel) {
