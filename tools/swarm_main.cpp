@@ -24,6 +24,7 @@
 #include "stages/export.h"
 #include "stages/reference.h"
 #include "tools/bench.h"
+#include "tools/conformance.h"
 #include "tools/local_swarm.h"
 
 using nlohmann::json;
@@ -137,9 +138,39 @@ int main(int argc, char** argv) {
   exp->add_option("--out", export_out, "the state dict to write (.pt); the model config goes beside it as .json")->required();
   exp->add_flag("--json", as_json, "print JSON");
 
+  ConformanceOptions conf;
+  auto* conform = app.add_subcommand("conformance", "check a stage server against the peer contract, message by message (docs/model.md)");
+  conform->add_option("--peer", conf.peer_command, "the peer's command; {router} becomes the kit's endpoint, e.g. 'build/swarm-stage --router {router}'")
+      ->required();
+  conform->add_option("--stage", conf.stage, "the stage of the 3-stage test job it serves")->capture_default_str()->check(CLI::Range(0, 2));
+  conform->add_option("--reference", conf.reference_command, "the reference peer's command (default: swarm-stage beside this binary)");
+  conform->add_option("--timeout-s", conf.reply_timeout_s, "a request unanswered this long fails its check")->capture_default_str();
+  conform->add_option("--log-dir", conf.log_dir, "where the two peers' logs go (default: a new folder under /tmp)");
+  conform->add_flag("--json", as_json, "one JSON object per check, then a summary line");
+
   CLI11_PARSE(app, argc, argv);
 
   try {
+    if (*conform) {
+      size_t failed = 0;
+      std::vector<ConformanceCheck> checks;
+      try {
+        checks = run_conformance(conf, [&](const ConformanceCheck& c) {
+        failed += !c.ok;
+        if (as_json) std::cout << json{{"check", c.name}, {"ok", c.ok}, {"detail", c.detail}}.dump() << std::endl;
+        else std::cout << (c.ok ? "PASS " : "FAIL ") << c.name << ": " << c.detail << std::endl;
+        });
+      } catch (const InputError& e) {
+        throw SpecError(e.what());
+      }
+      if (as_json) {
+        std::cout << json{{"conformance", {{"stage", conf.stage}, {"checks", checks.size()}, {"passed", checks.size() - failed}, {"failed", failed}}}}.dump()
+                  << std::endl;
+      } else {
+        std::cout << (failed ? "conformance: FAILED " : "conformance: passed ") << checks.size() - failed << " of " << checks.size() << " checks" << std::endl;
+      }
+      return failed || checks.empty() ? 1 : 0;
+    }
     if (*local) {
       JobSpec spec = load_spec(job_path);
       const int n = spec.partition.stages * peers_per_stage;
