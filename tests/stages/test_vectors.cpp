@@ -61,7 +61,7 @@ json tiny_spec_json() {
               {"partition", {{"stages", 3}}},
               {"batch", {{"batch_size", 2}, {"microbatch_size", 2}}},
               {"optimizer", {{"lr", 1e-3}, {"min_lr", 1e-4}, {"warmup_steps", 3}, {"weight_decay", 0.1}, {"grad_clip", 1.0}}},
-              {"data", {{"path", "unused.txt"}}}};
+              {"data", {{"format", "bin"}, {"path", "unused.bin"}}}};
 }
 
 // Tokens and targets of the model vectors: token (b, t) = (7 b + 3 t + 1) mod 32, target the next.
