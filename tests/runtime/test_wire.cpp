@@ -410,7 +410,7 @@ TEST(Wire, TheProtocolDocsWorkedExampleIsWhatTheEncoderWrites) {
     }
     return h;
   };
-  EXPECT_EQ(hex(frames[0]), "95a45357524d01142a00");
+  EXPECT_EQ(hex(frames[0]), "95a45357524d02142a00");
   const std::string body = "85" "a4" + str("eval") + "c2" "a6" + str("job_id") + "01" "a2" + str("mb") + "07" "a5" + str("stage") +
                            "01" "a7" + str("tensors") + "91" "85" "a5" + str("codec") + "a4" + str("bf16") + "a5" + str("dtype") +
                            "a3" + str("f32") + "a6" + str("nbytes") + "cc80" "a5" + str("shape") + "93020408" "a5" + str("xxh64") +
