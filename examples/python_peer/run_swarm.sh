@@ -14,6 +14,7 @@ py_stage=${2:-1}
 all_cpp=${3:-}
 build=${BUILD_DIR:-build}
 log=${LOG_DIR:-$(mktemp -d /tmp/swarm-python-XXXXXX)}
+mkdir -p "$log"
 stages=$(/usr/bin/python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['partition']['stages'])" "$job")
 pids=()
 trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true' EXIT

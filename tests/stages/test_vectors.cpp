@@ -242,6 +242,10 @@ void compare(const json& want, const json& got, double abs_tol, double rel_tol, 
     }
     return;
   }
+  if (want.is_number_integer() && got.is_number_integer()) {  // signed or unsigned: the value counts
+    EXPECT_EQ(want.get<int64_t>(), got.get<int64_t>()) << path;
+    return;
+  }
   ASSERT_EQ(want.type(), got.type()) << path;
   if (want.is_array()) {
     ASSERT_EQ(want.size(), got.size()) << path;
