@@ -109,6 +109,16 @@ def check_optim(v):
 def check_rounds(v):
     for e in v["fragment_range"]:
         same(f"fragment_range P={e['P']} F={e['F']}", e["ranges"], [list(M.fragment_range(e["P"], e["F"], f)) for f in range(e["F"])])
+    for e in v["fragment_due"]:  # the router's schedule, from docs/model.md's formula
+        H, F_ = e["H"], e["F"]
+
+        def due(steps):
+            for f in range(F_):
+                off = (f + 1) * H // F_
+                if steps > 0 and off > 0 and steps >= off and (steps - off) % H == 0:
+                    return f
+            return -1
+        same(f"fragment_due H={H} F={F_}", e["steps_0_to_20"], [due(s) for s in range(21)])
     r = v["reduce"]
     mean = M.reduce_delta([np.array(d, np.float32) for d in r["deltas"]], r["weights"])
     close("reduce", r["mean"], mean, v["tolerance"])
