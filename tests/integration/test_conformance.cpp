@@ -66,7 +66,7 @@ TEST(Conformance, APythonPeerWithTheWrongGeluIsCaughtAndTheCheckNamed) {
   EXPECT_TRUE(o.checks.at("hello")) << o.out;
   EXPECT_TRUE(o.checks.at("initial_hash")) << o.out;
   EXPECT_TRUE(o.checks.at("round_reduce")) << o.out;
-  EXPECT_NE(o.out.find("FAIL"), std::string::npos);
+  EXPECT_GT(o.summary.value("failed", 0), 0) << o.out;
 }
 
 TEST(Conformance, APeerCommandWithoutTheRouterPlaceholderIsRefused) {
@@ -106,6 +106,7 @@ TEST(Conformance, ThePythonPeerTrainsAStageNextToCppPeersLikeACppPeer) {
     EXPECT_EQ(st["microbatches"]["lost"], 0);
     val.push_back(st["val_loss"].get<double>());
   }
+  std::cout << "validation loss: all C++ " << val[0] << ", Python on stage 1 " << val[1] << std::endl;
   EXPECT_LT(std::fabs(val[1] / val[0] - 1), 0.01) << "all C++ " << val[0] << ", Python stage 1 " << val[1];
 }
 
