@@ -356,6 +356,36 @@ TEST(CoreBugs, AStrangerGetsNothingButHello) {
   EXPECT_EQ(f.core.bad_messages(), before + 1);
 }
 
+// The error table holds: a negative or fractional job id is malformed, not "no job" or state none.
+TEST(CoreBugs, NegativeAndFractionalJobIdsAreMalformed) {
+  FakeSwarm f;
+  const PeerId c = f.client();
+  for (const json& id : {json(-1), json(1.0)}) {
+    f.deliver(c, wire::json_message(MsgType::kStatus, 5, 0, {{"job_id", id}}));
+    const wire::Message& r = f.last_reply(c);
+    ASSERT_EQ(r.type, MsgType::kError) << id;
+    EXPECT_EQ(msg::read<msg::Error>(r).code, int(WireErrc::kMalformed)) << id;
+  }
+}
+
+// A RESULT from a peer for a request that went to another peer is foreign: not a duplicate.
+TEST(CoreBugs, AForeignReplyIsNotCountedAsADuplicate) {
+  FakeSwarm f;
+  two_by_two(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 2));
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  const json before = f.status(job);
+  const uint64_t bad = f.core.bad_messages();
+  // b1 answers the FORWARD that went to a0.
+  const wire::Message& fwd = last_of(f, "p-a0", MsgType::kForward);
+  msg::Result r;
+  r.mb = 0;
+  f.deliver("p-b1", msg::make(r, fwd.id, fwd.attempt));
+  EXPECT_EQ(f.status(job)["microbatches"]["duplicates"], before["microbatches"]["duplicates"]);
+  EXPECT_EQ(f.core.bad_messages(), bad + 1);
+  EXPECT_TRUE(f.logged("which was not sent to it"));
+}
+
 // Protocol v2: a routing id is any bytes and goes back as msgpack bin (WELCOME, PEERS_REPLY);
 // names and logs show it as text; a peer of v1 is told why in an envelope it can read.
 TEST(CoreBugs, BinaryRoutingIdsTravelAsBinAndOldPeersAreToldWhy) {
