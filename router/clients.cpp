@@ -154,7 +154,9 @@ void RouterCore::Impl::on_chaos(Ctx& c, const PeerId& from, const wire::Message&
   } catch (const InputError& e) {
     return reply_error(c, from, &m, WireErrc::kMalformed, std::string("bad fault: ") + e.what());
   }
+  // An id (bin, or a str equal to an id) first; a str that is no id names a peer.
   Peer* target = peers.find(ch.peer);
+  if (!target && ch.peer_is_id) return reply_error(c, from, &m, WireErrc::kMalformed, "no peer with id " + wire::printable_id(ch.peer) + "; `swarm peers` lists them");
   if (!target) {
     std::vector<Peer*> named;
     for (auto& [id, p] : peers.all())
@@ -236,7 +238,7 @@ nlohmann::json RouterCore::peers_json(size_t offset, size_t limit, double now) c
     if (i++ < offset) continue;
     if (list.size() >= std::min(limit, limits::kMaxPeersPerReply)) break;
     const msg::Heartbeat& hb = p.heartbeat;
-    list.push_back({{"id", id}, {"name", p.hello.name}, {"device", p.hello.device}, {"device_name", p.hello.device_name},
+    list.push_back({{"id", wire::id_json(id)}, {"name", p.hello.name}, {"device", p.hello.device}, {"device_name", p.hello.device_name},
                     {"device_memory_bytes", p.hello.device_memory_bytes ? nlohmann::json(*p.hello.device_memory_bytes) : nlohmann::json(nullptr)},
                     {"device_memory_free_bytes", p.hello.device_memory_free_bytes ? nlohmann::json(*p.hello.device_memory_free_bytes) : nlohmann::json(nullptr)},
                     {"precision", p.hello.precision},

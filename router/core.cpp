@@ -108,7 +108,7 @@ MsgType reply_type(ReqKind k) {
 void RouterCore::Impl::peer_dead(Ctx& c, const PeerId& id, const std::string& why) {
   Peer* p = peers.find(id);
   if (!p) return;
-  c.event(EventKind::kFault, LogLevel::kWarn, "peer " + p->hello.name + " (" + id + ") is gone: " + why, p->job_id, p, p->stage);
+  c.event(EventKind::kFault, LogLevel::kWarn, "peer " + p->hello.name + " (" + wire::printable_id(id) + ") is gone: " + why, p->job_id, p, p->stage);
   const Peer gone = *p;
   peers.remove(id);
   withdraw_key(c, gone);
@@ -158,7 +158,7 @@ void RouterCore::Impl::on_hello(Ctx& c, const PeerId& from, const wire::Message&
   w.liveness = opt.liveness;
   c.send(from, msg::make(w, m.id));
   c.event(EventKind::kPeer, LogLevel::kInfo,
-          "peer " + p.hello.name + " (" + from + ") joined" + (h.stage >= 0 ? " asking for stage " + std::to_string(h.stage) : "") +
+          "peer " + p.hello.name + " (" + wire::printable_id(from) + ") joined" + (h.stage >= 0 ? " asking for stage " + std::to_string(h.stage) : "") +
               (h.stage < 0 && h.prefer_stage >= 0 ? " preferring stage " + std::to_string(h.prefer_stage) : "") +
               (h.emulate > 1 ? " [emulated " + std::to_string(h.emulate) + "x slower]" : "") + (who.authenticated ? " with " + as : ""),
           0, &p);
@@ -213,15 +213,23 @@ void RouterCore::Impl::on_reply(Ctx& c, Peer& p, wire::Message& m) {
     // Late (re-sent elsewhere, or the job moved on) or a duplicate: counted, nothing changes
     // (what the peer holds for it is released).
     if (!m.refs.empty()) c.release(p.id, m.id);
-    if (m.type == MsgType::kResult && m.id > 0 && m.id < requests.next_id()) {
+    const std::optional<PeerId> sent_to = requests.retired_to(m.id);
+    if (m.type == MsgType::kResult && sent_to == p.id) {
       if (Job* j = active_job()) j->duplicate(m.id);
+    } else if (m.type != MsgType::kError && sent_to != p.id) {
+      // A reply to a request it was never sent (or one too old to tell): not a duplicate.
+      bad_messages++;
+      c.warn("peer " + p.hello.name + " answered request " + std::to_string(m.id) + ", which was not sent to it; ignored");
     } else if (m.type == MsgType::kError) {
       const msg::Error e = msg::read<msg::Error>(m);
       c.warn("peer " + p.hello.name + " reports: " + e.message);
     }
     return;
   }
-  if (found->peer != p.id) return;  // not from the peer it was sent to
+  if (found->peer != p.id) {  // not from the peer it was sent to
+    bad_messages++;
+    return c.warn("peer " + p.hello.name + " answered request " + std::to_string(m.id) + ", which was sent to another peer; ignored");
+  }
   const Pending pd = *c.take(m.id);
   Registry::answered(p);
   Job* j = find_job(pd.job);
@@ -395,7 +403,10 @@ Actions RouterCore::on_undecodable(const PeerId& from, const WireError& e, std::
   Peer* p = I.peers.find(from);
   if (p) I.peers.touch(from, now);
   c.warn("dropped a bad message" + (p ? " from peer " + p->hello.name : std::string()) + ": " + e.what());
-  I.reply_error(c, from, nullptr, e.code(), e.what());
+  wire::Message reply = msg::error_reply(nullptr, e.code(), e.what());
+  // A peer of another protocol version reads the refusal in the envelope every version reads.
+  if (e.code() == WireErrc::kBadVersion) reply.version = wire::kVersionForRefusals;
+  c.send(from, std::move(reply));
   // A reply whose envelope survived names its request: re-send that work now rather than at its
   // deadline, and hold the corruption against the peer.
   if (p && id) {

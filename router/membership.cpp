@@ -192,7 +192,7 @@ void TrainingJob::integrity_failure(Ctx& c, const PeerId& id, const std::string&
   c.peers.set_state(*p, PeerState::kQuarantined);
   quarantined_ids_.insert(p->key.empty() ? p->id : p->key);
   const std::string reason = std::to_string(p->integrity_failures) + " integrity failures, the last: " + what;
-  quarantined_.push_back({{"peer", p->hello.name}, {"id", id}, {"stage", p->stage}, {"reason", reason}});
+  quarantined_.push_back({{"peer", p->hello.name}, {"id", wire::printable_id(id)}, {"stage", p->stage}, {"reason", reason}});
   c.event(EventKind::kFault, LogLevel::kWarn, "peer " + p->hello.name + " quarantined (" + reason + ")", id_, p, p->stage);
   for (uint64_t rid : c.requests.of_peer(id))
     if (auto pd = c.take(rid)) on_failed(c, *pd, false, -1, "peer quarantined");

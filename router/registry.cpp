@@ -26,7 +26,7 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
   p.id = id;
   p.seq = next_seq_++;
   p.hello = hello;
-  if (p.hello.name.empty()) p.hello.name = id;
+  if (p.hello.name.empty()) p.hello.name = wire::printable_id(id);  // a name is text; an id may be any bytes
   if (p.hello.name.size() > limits::kMaxPeerIdBytes) p.hello.name.resize(limits::kMaxPeerIdBytes);
   if (p.hello.device_name.empty()) p.hello.device_name = p.hello.device;
   p.joined_s = p.last_seen_s = now;

@@ -38,7 +38,15 @@ std::optional<Pending> Requests::take(uint64_t id) {
   Pending p = std::move(it->second);
   deadlines_.erase({p.deadline_s, id});
   pending_.erase(it);
+  retired_[id] = p.peer;
+  if (retired_.size() > kRetiredKept) retired_.erase(retired_.begin());
   return p;
+}
+
+std::optional<PeerId> Requests::retired_to(uint64_t id) const {
+  auto it = retired_.find(id);
+  if (it == retired_.end()) return std::nullopt;
+  return it->second;
 }
 
 std::vector<uint64_t> Requests::expired(double now) const {

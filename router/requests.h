@@ -64,11 +64,16 @@ class Requests {
   std::vector<uint64_t> of_job(uint64_t job) const;
   size_t size() const { return pending_.size(); }
   const std::map<uint64_t, Pending>& all() const { return pending_; }
+  // Who a request that has left the table was sent to, for the newest kRetiredKept of them: a
+  // late reply from that peer is a duplicate, one from another peer a foreign reply.
+  std::optional<PeerId> retired_to(uint64_t id) const;
+  static constexpr size_t kRetiredKept = 1 << 16;
 
  private:
   uint64_t next_ = 1;
   std::map<uint64_t, Pending> pending_;
   std::set<std::pair<double, uint64_t>> deadlines_;
+  std::map<uint64_t, PeerId> retired_;   // id -> peer, the newest kRetiredKept
 };
 
 }  // namespace swarm::router

@@ -209,6 +209,16 @@ void BodyReader::bytes(const char* key, std::string& v, Need need, size_t max_by
   v.assign(o->via.bin.ptr, o->via.bin.size);
 }
 
+bool BodyReader::text_or_bytes(const char* key, std::string& v, Need need, size_t max_bytes, bool fallback) {
+  if (!has(key) && need == kOptional) return fallback;
+  if (impl_->find(key) && impl_->find(key)->type == msgpack::type::BIN) {
+    bytes(key, v, need, max_bytes);
+    return true;
+  }
+  field(key, v, need, max_bytes);
+  return false;
+}
+
 void BodyReader::field(const char* key, nlohmann::json& v, Need need) {
   SWARM_FIND(key, need);
   v = to_json(*o, 1);

@@ -46,6 +46,14 @@ class BodyReader {
   void field(const char* key, double& v, Need need, double lo, double hi);   // finite, in [lo, hi]
   void field(const char* key, std::string& v, Need need, size_t max_bytes);
   void bytes(const char* key, std::string& v, Need need, size_t max_bytes);  // msgpack bin
+  void bytes(const char* key, std::optional<std::string>& v, Need, size_t max_bytes) {
+    if (!has(key)) return;
+    std::string t;
+    bytes(key, t, kRequired, max_bytes);
+    v = std::move(t);
+  }
+  // A msgpack str or bin (a name, or a routing id); returns whether it was bin.
+  bool text_or_bytes(const char* key, std::string& v, Need need, size_t max_bytes, bool fallback);
   // Any value (map, array, string, number...), converted with the decoder's limits.
   void field(const char* key, nlohmann::json& v, Need need = kRequired);
   void field(const char* key, std::vector<double>& v, Need need, size_t max_n, double lo, double hi);
@@ -83,6 +91,14 @@ class BodyWriter {
   void field(const char* key, double v, Need = kRequired, double = 0, double = 0);
   void field(const char* key, const std::string& v, Need = kRequired, size_t = 0);
   void bytes(const char* key, const std::string& v, Need = kRequired, size_t = 0);
+  void bytes(const char* key, const std::optional<std::string>& v, Need, size_t = 0) {
+    if (v) bytes(key, *v);
+  }
+  bool text_or_bytes(const char* key, const std::string& v, Need, size_t, bool as_bytes) {
+    if (as_bytes) bytes(key, v);
+    else field(key, v);
+    return as_bytes;
+  }
   void field(const char* key, const nlohmann::json& v, Need = kRequired);
   void field(const char* key, const std::vector<double>& v, Need = kRequired, size_t = 0, double = 0, double = 0);
   void field(const char* key, const std::vector<int64_t>& v, Need = kRequired, size_t = 0, int64_t = 0, int64_t = 0);

@@ -91,14 +91,14 @@ struct Welcome {
   static constexpr MsgType kType = MsgType::kWelcome;
   std::optional<int32_t> heartbeat_ms;   // to a stage: the pace of heartbeats
   std::optional<int32_t> liveness;       // to a stage: heartbeats missed before it is dead
-  std::optional<std::string> peer_id;    // to a stage: its routing id
+  std::optional<std::string> peer_id;    // to a stage: its routing id (msgpack bin)
   std::optional<std::string> role;       // to a client: "client"
   std::optional<int64_t> version;        // to a client
   template <class V>
   void visit(V& v) {
     v.field("heartbeat_ms", heartbeat_ms, kOptional, 1, 3600 * 1000);
     v.field("liveness", liveness, kOptional, 1, 1000);
-    v.field("peer_id", peer_id, kOptional, size_t(255));
+    v.bytes("peer_id", peer_id, kOptional, size_t(255));   // msgpack bin: a routing id is any bytes
     v.field("role", role, kOptional, size_t(16));
     v.field("version", version, kOptional, int64_t(0), wire::kIntMax);
   }
@@ -488,11 +488,12 @@ struct PeerKeys {
 struct Chaos {
   static constexpr MsgType kType = MsgType::kChaos;
   nlohmann::json fault;    // text "ACTION[,key=value...]" or a map (runtime/fault.h parses it)
-  std::string peer;        // client -> router: the peer's routing id or name
+  std::string peer;        // client -> router: the peer's name (str) or routing id (str or bin)
+  bool peer_is_id = false; // it came as bin: a routing id, never a name
   template <class V>
   void visit(V& v) {
     v.field("fault", fault, kRequired);
-    v.field("peer", peer, kOptional, size_t(255));
+    peer_is_id = v.text_or_bytes("peer", peer, kOptional, size_t(255), peer_is_id);
   }
 };
 
@@ -503,7 +504,7 @@ struct ChaosReply {
   void visit(V& v) {
     v.field("fault", fault, kRequired, limits::kMaxTextBytes);
     v.field("name", name, kRequired, size_t(255));
-    v.field("peer", peer, kRequired, size_t(255));
+    v.bytes("peer", peer, kRequired, size_t(255));   // its routing id, msgpack bin
   }
 };
 

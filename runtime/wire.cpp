@@ -1,4 +1,4 @@
-// wire.cpp: encoding, decoding and validation of wire protocol v1 messages (see wire.h).
+// wire.cpp: encoding, decoding and validation of wire protocol messages (see wire.h).
 //
 // Frames are parsed with msgpack-c under explicit unpack limits (sizes, depth), so that no
 // declared length is allocated before it is checked; tensor descriptions are read straight from
@@ -377,25 +377,81 @@ void resolve(Message& m, std::vector<Tensor> fetched) {
   for (auto& t : slots) m.tensors.push_back(std::move(*t));
 }
 
-Envelope peek_envelope(const std::vector<zmq::message_t>& frames) {
+namespace {
+
+// Frame 0 as an array of 5 with the magic, else bad_magic: bytes that are not even msgpack are
+// not a swarm envelope either.
+msgpack::object_handle envelope_object(const std::vector<zmq::message_t>& frames) {
   if (frames.size() < 2) fail(WireErrc::kTruncated, "a message needs an envelope and a body frame, got " + std::to_string(frames.size()) + " frame(s)");
   if (frames.size() > limits::kMaxFrames) fail(WireErrc::kTooLarge, "more frames than the limit");
   if (frames[0].size() > limits::kMaxEnvelopeBytes) fail(WireErrc::kTooLarge, "envelope over the limit");
-  msgpack::object_handle oh = unpack_frame(frames[0], "envelope");
+  msgpack::object_handle oh;
+  try {
+    oh = unpack_frame(frames[0], "envelope");
+  } catch (const WireError& e) {
+    fail(WireErrc::kBadMagic, std::string("frame 0 is not a swarm envelope [\"SWRM\", version, type, id, attempt]: ") + e.what());
+  }
   const msgpack::object& e = oh.get();
   if (e.type != msgpack::type::ARRAY || e.via.array.size != 5 || e.via.array.ptr[0].type != msgpack::type::STR)
-    fail(WireErrc::kBadMagic, "frame 0 is not a swarm envelope [magic, version, type, id, attempt]");
-  const msgpack::object* a = e.via.array.ptr;
-  if (!is_str(a[0], kMagic)) fail(WireErrc::kBadMagic, "bad magic (expected \"SWRM\")");
-  if (a[1].type != msgpack::type::POSITIVE_INTEGER || a[1].via.u64 != uint64_t(kVersion))
+    fail(WireErrc::kBadMagic, "frame 0 is not a swarm envelope [\"SWRM\", version, type, id, attempt]");
+  if (!is_str(e.via.array.ptr[0], kMagic)) fail(WireErrc::kBadMagic, "bad magic (expected \"SWRM\")");
+  return oh;
+}
+
+}  // namespace
+
+std::optional<int> peek_version(const std::vector<zmq::message_t>& frames) {
+  try {
+    msgpack::object_handle oh = envelope_object(frames);
+    const msgpack::object& v = oh.get().via.array.ptr[1];
+    if (v.type == msgpack::type::POSITIVE_INTEGER && v.via.u64 <= 1000) return int(v.via.u64);
+  } catch (const WireError&) {
+  }
+  return std::nullopt;
+}
+
+std::string printable_id(const std::string& id) {
+  bool printable = !id.empty();
+  for (unsigned char ch : id) printable &= ch >= 0x20 && ch < 0x7f;
+  if (printable) return id;
+  static const char* hex = "0123456789abcdef";
+  std::string out = "0x";
+  for (unsigned char ch : id) {
+    out += hex[ch >> 4];
+    out += hex[ch & 15];
+  }
+  return out;
+}
+
+std::optional<std::string> id_from_hex(const std::string& text) {
+  if (text.size() < 4 || text.size() % 2 || text.compare(0, 2, "0x") != 0) return std::nullopt;
+  auto nibble = [](char ch) { return ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1; };
+  std::string out;
+  for (size_t i = 2; i < text.size(); i += 2) {
+    const int hi = nibble(text[i]), lo = nibble(text[i + 1]);
+    if (hi < 0 || lo < 0) return std::nullopt;
+    out += char(hi * 16 + lo);
+  }
+  return out;
+}
+
+Envelope peek_envelope(const std::vector<zmq::message_t>& frames) {
+  msgpack::object_handle oh = envelope_object(frames);
+  const msgpack::object* a = oh.get().via.array.ptr;
+  // Every version reads an ERROR in a v1 envelope: how a peer learns why it was refused.
+  const bool refusal = a[1].type == msgpack::type::POSITIVE_INTEGER && a[1].via.u64 == uint64_t(kVersionForRefusals) &&
+                       a[2].type == msgpack::type::POSITIVE_INTEGER && a[2].via.u64 == uint64_t(MsgType::kError);
+  if (!refusal && (a[1].type != msgpack::type::POSITIVE_INTEGER || a[1].via.u64 != uint64_t(kVersion)))
     fail(WireErrc::kBadVersion, "protocol version " + (a[1].type == msgpack::type::POSITIVE_INTEGER ? std::to_string(a[1].via.u64) : std::string("?")) +
-                                    " is not supported (this side speaks " + std::to_string(kVersion) + ")");
+                                    " is not supported: this side speaks v" + std::to_string(kVersion) +
+                                    " (since v2 routing ids are msgpack bin, docs/protocol.md); upgrade the older side");
   if (a[2].type != msgpack::type::POSITIVE_INTEGER || a[2].via.u64 > 1000 || !known_type(int(a[2].via.u64)))
     fail(WireErrc::kUnknownType, "unknown message type " + (a[2].type == msgpack::type::POSITIVE_INTEGER ? std::to_string(a[2].via.u64) : std::string("?")));
   if (a[3].type != msgpack::type::POSITIVE_INTEGER || a[4].type != msgpack::type::POSITIVE_INTEGER || a[4].via.u64 > UINT32_MAX)
     fail(WireErrc::kMalformed, "envelope id and attempt must be unsigned integers");
   Envelope env;
   env.type = static_cast<MsgType>(a[2].via.u64);
+  env.version = int(a[1].via.u64);
   env.id = a[3].via.u64;
   env.attempt = uint32_t(a[4].via.u64);
   return env;
@@ -415,6 +471,7 @@ Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
   if (total > limits::kMaxMessageBytes) fail(WireErrc::kTooLarge, "message over the limit");
 
   Message m(env.type, env.id, env.attempt);
+  m.version = env.version;
   msgpack::object_handle oh = unpack_frame(frames[1], "body");
   const msgpack::object& body = oh.get();
   if (body.type != msgpack::type::MAP) fail(WireErrc::kMalformed, "body is not a map");
@@ -510,7 +567,9 @@ std::vector<zmq::message_t> encode(Message& m) {
     msgpack::packer<msgpack::sbuffer> pk(b);
     pk.pack_array(5);
     pack_str(pk, kMagic);
-    pk.pack(kVersion);
+    SWARM_CHECK(m.version == kVersion || (m.version == kVersionForRefusals && m.type == MsgType::kError),
+                "only an ERROR goes out in another envelope version");
+    pk.pack(m.version);
     pk.pack(int(m.type));
     pk.pack(m.id);
     pk.pack(m.attempt);

@@ -1,4 +1,4 @@
-// wire.h: swarm wire protocol v1 over ZeroMQ multipart messages (docs/protocol.md).
+// wire.h: swarm wire protocol v2 over ZeroMQ multipart messages (docs/protocol.md).
 //
 // A message is: frame 0, the envelope, a msgpack array [magic "SWRM", version, type, id,
 // attempt]; frame 1, the body, a msgpack map; frames 2.., raw tensor payloads, each described
@@ -27,7 +27,11 @@
 namespace swarm::wire {
 
 constexpr const char* kMagic = "SWRM";
-constexpr int kVersion = 1;
+// v2: routing ids travel as msgpack bin (v1 sent them as str, which is not valid UTF-8 for
+// ZeroMQ's generated ids). An ERROR bad_version is written in a v1 envelope, and every version
+// decodes an ERROR in a v1 envelope, so a peer of any version can read why it was refused.
+constexpr int kVersion = 2;
+constexpr int kVersionForRefusals = 1;
 
 enum class MsgType : int {
   // Session (both directions).
@@ -118,6 +122,7 @@ struct Tensor {
 
 struct Message {
   MsgType type = MsgType::kHeartbeat;
+  int version = kVersion;   // the envelope's; kVersionForRefusals only for an ERROR bad_version
   uint64_t id = 0;        // request id, echoed by its reply
   uint32_t attempt = 0;   // attempt number of the request, echoed by its reply
   // The body: one msgpack map with string keys, without the "tensors" descriptions (the wire
@@ -170,10 +175,25 @@ void decompress(Tensor& t);
 // (the router takes nothing but HELLO from a routing id it does not know). Throws WireError.
 struct Envelope {
   MsgType type = MsgType::kHeartbeat;
+  int version = kVersion;
   uint64_t id = 0;
   uint32_t attempt = 0;
 };
 Envelope peek_envelope(const std::vector<zmq::message_t>& frames);
+
+// A routing id in a JSON body that becomes msgpack (PEERS_REPLY): msgpack bin, as every id on the wire.
+inline nlohmann::json id_json(const std::string& id) { return nlohmann::json::binary(std::vector<uint8_t>(id.begin(), id.end())); }
+// The bytes of an id read back from such a body (bin, or str from a v1-style writer).
+inline std::string id_from_json(const nlohmann::json& j) {
+  if (j.is_binary()) return std::string(j.get_binary().begin(), j.get_binary().end());
+  return j.is_string() ? j.get<std::string>() : std::string();
+}
+// The reverse of printable_id for "0x" + hex (an id that is not printable); nullopt for other text.
+std::optional<std::string> id_from_hex(const std::string& text);
+// A routing id as a person reads it: itself when it is printable ASCII, else "0x" + hex.
+std::string printable_id(const std::string& id);
+// The version an envelope claims, when frame 0 is at least [magic, version, ...]; else nullopt.
+std::optional<int> peek_version(const std::vector<zmq::message_t>& frames);
 
 // Frames -> Message. Validates magic, version, type, frame counts, sizes against limits (the
 // sum of every tensor's declared size too, before any is unpacked), every tensor description

@@ -316,6 +316,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       log_warn("stage", std::string("dropped a bad message from the router: ") + e.what());
       // The request's id when its envelope survived: the router re-sends it at once.
       Message err = msg::error_reply(wire::peek_id(d.frames).value_or(0), 0, e.code(), e.what());
+      if (e.code() == WireErrc::kBadVersion) err.version = wire::kVersionForRefusals;  // readable by any version
       answer(err);
       return;
     }

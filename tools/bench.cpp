@@ -690,11 +690,11 @@ int bench_faults(bool as_json) {
   // Seconds from a signal to `name` until the router's registry (polled every 10 ms) no
   // longer lists it.
   auto time_to_gone = [](LocalSwarm& sw, Client& c, size_t index, const std::string& name, int sig) {
-    std::string id;
+    json id;
     const json listed = c.request_body(wire::MsgType::kPeers, json::object());  // kept alive for the loop
     for (const auto& p : listed["peers"])
       if (p["name"] == name) id = p["id"];
-    if (id.empty()) return -1.0;  // not registered: nothing to time
+    if (id.is_null()) return -1.0;  // not registered: nothing to time
     sw.kill_stage(index, sig);
     const auto k = std::chrono::steady_clock::now();
     for (int i = 0; i < 1000; ++i) {

@@ -15,6 +15,7 @@ packages=(
   chromium                             # tests/integration/test_observability.cpp: the dashboard in a headless browser
   fortunes                             # the bundled example's training text
   python3-torch                        # tests/python/check_export.py: `swarm export` read back by PyTorch
+  python3-msgpack python3-zmq python3-xxhash python3-numpy  # examples/python_peer: the reference peer in Python (docs/model.md)
   clang libclang-rt-14-dev             # libFuzzer + ASan/UBSan for tests/fuzz (docs/fuzzing.md); tools/test.sh smokes them
   tcpdump                              # tests/integration/test_security.cpp: no plaintext on the wire under CURVE
 )

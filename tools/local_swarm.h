@@ -30,6 +30,7 @@ struct StageProc {
   std::string name;
   int threads = 1;
   std::vector<std::string> extra_args;
+  std::vector<std::string> command;  // a peer that is not swarm-stage: its argv, "{router}" replaced
   bool stopped = false;  // SIGSTOPped (by kill_stage or the chaos runner) and not resumed yet
 };
 
@@ -70,6 +71,9 @@ class LocalSwarm {
   std::string add_key(const std::string& name, const std::string& role);
   // Starts one stage server; returns its index in stages().
   size_t start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args = {});
+  // Starts a stage server of another implementation (e.g. examples/python_peer): `argv` with
+  // every "{router}" replaced by the router's endpoint; stopped and restarted like the others.
+  size_t start_command(int stage, const std::string& name, std::vector<std::string> argv);
   void kill_stage(size_t i, int sig);      // SIGKILL, SIGSTOP, SIGCONT, SIGTERM
   void restart_stage(size_t i);            // start again with the same arguments
   void kill_router(int sig);

@@ -30,6 +30,7 @@
 #include "stages/export.h"
 #include "stages/reference.h"
 #include "tools/bench.h"
+#include "tools/conformance.h"
 #include "tools/local_swarm.h"
 #include "tools/sim_cli.h"
 
@@ -172,6 +173,15 @@ int main(int argc, char** argv) {
   simc->add_option("scenario", scenario_path, "scenario (JSON; examples/sim/)")->required();
   simc->add_option("--seed", sim_seed, "seed for every random draw (default: the scenario's)");
   simc->add_flag("--json", as_json, "JSON lines: the trace, then the summary, then the core's CPU figures");
+  ConformanceOptions conf;
+  auto* conform = app.add_subcommand("conformance", "check a stage server against the peer contract, message by message (docs/model.md)");
+  conform->add_option("--peer", conf.peer_command, "the peer's command; {router} becomes the kit's endpoint, e.g. 'build/swarm-stage --router {router}'")
+      ->required();
+  conform->add_option("--stage", conf.stage, "the stage of the 3-stage test job it serves")->capture_default_str()->check(CLI::Range(0, 2));
+  conform->add_option("--reference", conf.reference_command, "the reference peer's command (default: swarm-stage beside this binary)");
+  conform->add_option("--timeout-s", conf.reply_timeout_s, "a request unanswered this long fails its check")->capture_default_str();
+  conform->add_option("--log-dir", conf.log_dir, "where the two peers' logs go (default: a new folder under /tmp)");
+  conform->add_flag("--json", as_json, "one JSON object per check, then a summary line");
 
   CLI11_PARSE(app, argc, argv);
   if (!key_file.empty()) setenv("SWARM_KEY", key_file.c_str(), 1);
@@ -192,6 +202,26 @@ int main(int argc, char** argv) {
                 << "on the router, allow it with a line in the --authorized file:\n  " << k.public_key << " ROLE "
                 << std::filesystem::path(keygen_out).filename().string() << "   (ROLE: stage, client or admin)" << std::endl;
       return 0;
+    }
+    if (*conform) {
+      size_t failed = 0;
+      std::vector<ConformanceCheck> checks;
+      try {
+        checks = run_conformance(conf, [&](const ConformanceCheck& c) {
+        failed += !c.ok;
+        if (as_json) std::cout << json{{"check", c.name}, {"ok", c.ok}, {"detail", c.detail}}.dump() << std::endl;
+        else std::cout << (c.ok ? "PASS " : "FAIL ") << c.name << ": " << c.detail << std::endl;
+        });
+      } catch (const InputError& e) {
+        throw SpecError(e.what());
+      }
+      if (as_json) {
+        std::cout << json{{"conformance", {{"stage", conf.stage}, {"checks", checks.size()}, {"passed", checks.size() - failed}, {"failed", failed}}}}.dump()
+                  << std::endl;
+      } else {
+        std::cout << (failed ? "conformance: FAILED " : "conformance: passed ") << checks.size() - failed << " of " << checks.size() << " checks" << std::endl;
+      }
+      return failed || checks.empty() ? 1 : 0;
     }
     if (*local) {
       JobSpec spec = load_spec(job_path);
@@ -319,7 +349,7 @@ int main(int argc, char** argv) {
         };
         for (const auto& p : rep["peers"]) {
           // HOPS: "direct" when other peers fetch its tensors from it, "relayed" when they go through the router.
-          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-7s %-10.2f %-8s %s\n", p["id"].get<std::string>().c_str(), p["name"].get<std::string>().c_str(),
+          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-7s %-10.2f %-8s %s\n", wire::printable_id(wire::id_from_json(p["id"])).c_str(), p["name"].get<std::string>().c_str(),
                       p["stage"].get<int>(), p["state"].get<std::string>().c_str(), p.value("device_name", p["device"].get<std::string>()).c_str(),
                       gib(p, "device_memory_bytes").c_str(), gib(p, "device_memory_free_bytes").c_str(), p["ms_per_unit"].get<double>(),
                       p.value("relayed", true) ? "relayed" : "direct",
@@ -335,8 +365,11 @@ int main(int argc, char** argv) {
         throw SpecError(std::string("--fault: ") + e.what());
       }
       Client c(router);
-      json rep = c.request_body(wire::MsgType::kChaos, json{{"peer", peer_id}, {"fault", fault_text}});
-      std::cout << "fault " << rep.value("fault", fault_text) << " sent to peer " << rep.value("name", peer_id) << " (" << rep.value("peer", std::string()) << ")" << std::endl;
+      // An id `swarm peers` printed as 0x + hex (not printable) goes back as its bytes (msgpack bin).
+      const std::optional<std::string> raw_id = wire::id_from_hex(peer_id);
+      json rep = c.request_body(wire::MsgType::kChaos, json{{"peer", raw_id ? wire::id_json(*raw_id) : json(peer_id)}, {"fault", fault_text}});
+      std::cout << "fault " << rep.value("fault", fault_text) << " sent to peer " << rep.value("name", peer_id) << " ("
+                << wire::printable_id(wire::id_from_json(rep.value("peer", json()))) << ")" << std::endl;
       return 0;
     }
     if (*cancel) {

@@ -97,7 +97,7 @@ void wire_seeds() {
            {"device_name", "x86_64 cpu"}, {"device_memory_bytes", uint64_t(8) << 30}, {"stage", -1},
            {"prefer_stage", 1}, {"emulate", 1.0}, {"profile", ""}, {"threads", 1}, {"pid", 4242}, {"echo", false}}));
   wire_seed("seed-hello-client", wire::json_message(MsgType::kHello, 1, 0, json{{"role", "client"}, {"version", wire::kVersion}}));
-  wire_seed("seed-welcome", wire::json_message(MsgType::kWelcome, 0, 0, json{{"peer_id", "p-0123456789ab"}, {"heartbeat_ms", 500}, {"liveness", 3}}));
+  wire_seed("seed-welcome", wire::json_message(MsgType::kWelcome, 0, 0, json{{"peer_id", wire::id_json("p-0123456789ab")}, {"heartbeat_ms", 500}, {"liveness", 3}}));
   wire_seed("seed-heartbeat", wire::json_message(MsgType::kHeartbeat, 0, 0, hb));
   wire_seed("seed-bye", wire::json_message(MsgType::kBye, 0, 0, json{{"reason", "shutting down"}}));
   Message req(MsgType::kForward, 77, 2);
@@ -165,7 +165,7 @@ void wire_seeds() {
   wire_seed("seed-cancel", wire::json_message(MsgType::kCancel, 4, 0, json{{"job_id", 1}}));
   wire_seed("seed-peers", wire::json_message(MsgType::kPeers, 5, 0, json::object()));
   wire_seed("seed-peers-reply", wire::json_message(MsgType::kPeersReply, 5, 0,
-      json{{"peers", json::array({json{{"id", "p-0123456789ab"}, {"name", "stage1-0"}, {"stage", 1}, {"device", "cpu"},
+      json{{"peers", json::array({json{{"id", wire::id_json("p-0123456789ab")}, {"name", "stage1-0"}, {"stage", 1}, {"device", "cpu"},
                                       {"ms_per_unit", 3.25}, {"results", 40}, {"failures", 0}, {"banned_s", 0.0}}})}}));
   // Peer to peer: a hop whose tensors are held elsewhere, asked to hold its own; a reply that
   // holds; FETCH, FETCHED, RELEASE.

@@ -132,7 +132,7 @@ class FakeRouter {
     auto m = next(30);
     ASSERT_TRUE(m) << "no HELLO from the stage server";
     ASSERT_EQ(m->type, MsgType::kHello);
-    Message w = wire::json_message(MsgType::kWelcome, 0, 0, json{{"peer_id", "p-test"}, {"heartbeat_ms", heartbeat_ms}, {"liveness", liveness}});
+    Message w = wire::json_message(MsgType::kWelcome, 0, 0, json{{"peer_id", wire::id_json("p-test")}, {"heartbeat_ms", heartbeat_ms}, {"liveness", liveness}});
     send(w);
   }
 

@@ -101,7 +101,7 @@ class FakeRouter {
   // HELLO, WELCOME (a long liveness: this test sends no heartbeats), LOAD_STAGE.
   nlohmann::json start(const nlohmann::json& spec, int stage) {
     Message hello = expect(MsgType::kHello);
-    send(wire::json_message(MsgType::kWelcome, 0, 0, {{"peer_id", route_}, {"heartbeat_ms", 200}, {"liveness", 500}}));
+    send(wire::json_message(MsgType::kWelcome, 0, 0, {{"peer_id", wire::id_json(route_)}, {"heartbeat_ms", 200}, {"liveness", 500}}));
     Message ready = request(wire::json_message(MsgType::kLoadStage, 0, 0, {{"job_id", 1}, {"stage", stage}, {"spec", spec}}),
                             MsgType::kStageReady);
     return {{"hello", wire::body_json(hello)}, {"ready", wire::body_json(ready)}};
@@ -283,7 +283,7 @@ TEST(StagePrecision, Bf16PeerOnTheCpu) {
   }
   ASSERT_EQ(hello->type, MsgType::kHello);
   EXPECT_EQ(wire::body_json(*hello)["precision"], "bf16");
-  b16.send(wire::json_message(MsgType::kWelcome, 0, 0, {{"peer_id", "x"}, {"heartbeat_ms", 200}, {"liveness", 500}}));
+  b16.send(wire::json_message(MsgType::kWelcome, 0, 0, {{"peer_id", wire::id_json("x")}, {"heartbeat_ms", 200}, {"liveness", 500}}));
   const Message ready = b16.request(wire::json_message(MsgType::kLoadStage, 0, 0, {{"job_id", 1}, {"stage", 1}, {"spec", job("auto")}}),
                                     MsgType::kStageReady);
   EXPECT_EQ(wire::body_json(ready)["precision"], "bf16");

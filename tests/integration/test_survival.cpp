@@ -216,7 +216,7 @@ TEST(Survival, RogueClientFeedingGarbageToTheRouter) {
           std::string b(size_t((x >> (8 * f)) % 300), char(x >> 13));
           for (size_t k = 0; k < b.size(); ++k) b[k] = char((x >> (k % 56)) ^ k);
           if (f == 0 && x % 3 == 0) {  // a sound envelope, then truncated or random frames
-            auto env = json::to_msgpack(json::array({"SWRM", 1, 24, x % 1000, 0}));
+            auto env = json::to_msgpack(json::array({"SWRM", wire::kVersion, 24, x % 1000, 0}));
             b.assign(env.begin(), env.end());
           }
           // Never blocks: when the router falls behind, the rogue waits rather than hanging.

@@ -188,7 +188,7 @@ TEST(Swarm, RouterSurvivesGarbageFromARogueClient) {
       std::string b(size_t((x >> (8 * f)) % 200), char(x >> 13));
       for (size_t k = 0; k < b.size(); ++k) b[k] = char((x >> (k % 56)) ^ k);
       if (i % 3 == 0 && f == 0) {
-        auto env = json::to_msgpack(json::array({"SWRM", 1, 24, i, 0}));  // a RESULT nobody asked for
+        auto env = json::to_msgpack(json::array({"SWRM", wire::kVersion, 24, i, 0}));  // a RESULT nobody asked for
         b.assign(env.begin(), env.end());
       }
       rogue.send(zmq::buffer(b), f + 1 < frames ? zmq::send_flags::sndmore : zmq::send_flags::none);

@@ -356,6 +356,83 @@ TEST(CoreBugs, AStrangerGetsNothingButHello) {
   EXPECT_EQ(f.core.bad_messages(), before + 1);
 }
 
+// The error table holds: a negative or fractional job id is malformed, not "no job" or state none.
+TEST(CoreBugs, NegativeAndFractionalJobIdsAreMalformed) {
+  FakeSwarm f;
+  const PeerId c = f.client();
+  for (const json& id : {json(-1), json(1.0)}) {
+    f.deliver(c, wire::json_message(MsgType::kStatus, 5, 0, {{"job_id", id}}));
+    const wire::Message& r = f.last_reply(c);
+    ASSERT_EQ(r.type, MsgType::kError) << id;
+    EXPECT_EQ(msg::read<msg::Error>(r).code, int(WireErrc::kMalformed)) << id;
+  }
+}
+
+// A RESULT from a peer for a request that went to another peer is foreign: not a duplicate.
+TEST(CoreBugs, AForeignReplyIsNotCountedAsADuplicate) {
+  FakeSwarm f;
+  two_by_two(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 2));
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  const json before = f.status(job);
+  const uint64_t bad = f.core.bad_messages();
+  // b1 answers the FORWARD that went to a0.
+  const wire::Message& fwd = last_of(f, "p-a0", MsgType::kForward);
+  msg::Result r;
+  r.mb = 0;
+  f.deliver("p-b1", msg::make(r, fwd.id, fwd.attempt));
+  EXPECT_EQ(f.status(job)["microbatches"]["duplicates"], before["microbatches"]["duplicates"]);
+  EXPECT_EQ(f.core.bad_messages(), bad + 1);
+  EXPECT_TRUE(f.logged("which was not sent to it"));
+}
+
+// Protocol v2: a routing id is any bytes and goes back as msgpack bin (WELCOME, PEERS_REPLY);
+// names and logs show it as text; a peer of v1 is told why in an envelope it can read.
+TEST(CoreBugs, BinaryRoutingIdsTravelAsBinAndOldPeersAreToldWhy) {
+  FakeSwarm f;
+  const PeerId odd("\x00\xff\x80z", 4);
+  msg::Hello h;
+  h.role = msg::Role::kStage;
+  h.version = wire::kVersion;
+  auto first_send = [](const Actions& a) -> const Send* {
+    for (const auto& x : a)
+      if (const Send* s = std::get_if<Send>(&x)) return s;
+    return nullptr;
+  };
+  Actions out = f.core.on_message(odd, msg::make(h, 0), f.now);
+  const Send* welcome = first_send(out);
+  ASSERT_NE(welcome, nullptr);
+  ASSERT_EQ(welcome->msg.type, MsgType::kWelcome);
+  EXPECT_TRUE(wire::body_json(welcome->msg)["peer_id"].is_binary());
+  EXPECT_EQ(msg::read<msg::Welcome>(welcome->msg).peer_id, odd);
+  const json page = f.core.peers_json(0, 10, f.now);
+  ASSERT_EQ(page["peers"].size(), 1u);
+  EXPECT_EQ(wire::id_from_json(page["peers"][0]["id"]), odd);
+  EXPECT_EQ(page["peers"][0]["name"], "0x00ff807a");  // no name given: its id, printable
+  EXPECT_NO_THROW(wire::pack_json(page));
+  // A v1 HELLO does not decode; the refusal goes out in a v1 envelope.
+  std::vector<zmq::message_t> frames;
+  const auto env = json::to_msgpack(json::array({"SWRM", 1, 1, 5, 0}));
+  frames.emplace_back(env.data(), env.size());
+  frames.emplace_back("\x80", 1);
+  try {
+    wire::decode(frames);
+    FAIL() << "a v1 envelope decoded";
+  } catch (const WireError& e) {
+    Actions r = f.core.on_undecodable("old", e, wire::peek_id(frames), f.now);
+    const Send* refusal = first_send(r);
+    ASSERT_NE(refusal, nullptr);
+    EXPECT_EQ(refusal->msg.version, 1);
+    wire::Message copy(MsgType::kError, refusal->msg.id, 0, refusal->msg.body);
+    copy.version = refusal->msg.version;
+    auto sent = wire::encode(copy);
+    EXPECT_EQ(wire::peek_version(sent), 1);
+    const msg::Error err = msg::read<msg::Error>(wire::decode(sent));
+    EXPECT_EQ(err.name, "bad_version");
+    EXPECT_NE(err.message.find("this side speaks v2"), std::string::npos);
+  }
+}
+
 }  // namespace
 }  // namespace swarm::router
 

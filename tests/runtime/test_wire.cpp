@@ -127,7 +127,7 @@ TEST(Wire, SharedTensorIsZeroCopy) {
 
 TEST(Wire, RejectsTooFewFrames) {
   std::vector<zmq::message_t> frames;
-  frames.emplace_back(packed(json::array({"SWRM", 1, 3, 0, 0})));
+  frames.emplace_back(packed(json::array({"SWRM", wire::kVersion, 3, 0, 0})));
   EXPECT_EQ(code_of(frames), WireErrc::kTruncated);
 }
 
@@ -136,12 +136,21 @@ TEST(Wire, RejectsBadMagicAndVersion) {
   a.emplace_back(packed(json::array({"XXXX", 1, 3, 0, 0})));
   a.emplace_back(packed(json::object()));
   EXPECT_EQ(code_of(a), WireErrc::kBadMagic);
-  std::vector<zmq::message_t> b;
-  b.emplace_back(packed(json::array({"SWRM", 2, 3, 0, 0})));
-  b.emplace_back(packed(json::object()));
-  EXPECT_EQ(code_of(b), WireErrc::kBadVersion);
+  for (int v : {1, 3}) {  // v1: routing ids were msgpack str
+    std::vector<zmq::message_t> b;
+    b.emplace_back(packed(json::array({"SWRM", v, 3, 0, 0})));
+    b.emplace_back(packed(json::object()));
+    EXPECT_EQ(code_of(b), WireErrc::kBadVersion);
+    EXPECT_EQ(wire::peek_version(b), v);
+  }
+  // Bytes that are not msgpack at all are not an envelope either.
+  std::vector<zmq::message_t> g;
+  g.emplace_back("\xc1\xc1garbage", 9);
+  g.emplace_back(packed(json::object()));
+  EXPECT_EQ(code_of(g), WireErrc::kBadMagic);
+  EXPECT_EQ(wire::peek_version(g), std::nullopt);
   std::vector<zmq::message_t> c;
-  c.emplace_back(packed(json::array({"SWRM", 1, 999, 0, 0})));
+  c.emplace_back(packed(json::array({"SWRM", wire::kVersion, 999, 0, 0})));
   c.emplace_back(packed(json::object()));
   EXPECT_EQ(code_of(c), WireErrc::kUnknownType);
 }
@@ -181,7 +190,7 @@ TEST(Wire, RejectsHugeDeclaredShapeBeforeAllocating) {
   // A description that claims 2^40 elements must be refused on the numbers alone.
   json desc{{"dtype", "f32"}, {"shape", {uint64_t(1) << 20, uint64_t(1) << 20}}, {"codec", "fp32"}, {"nbytes", 16}, {"xxh64", 0}};
   std::vector<zmq::message_t> frames;
-  frames.emplace_back(packed(json::array({"SWRM", 1, 20, 1, 0})));
+  frames.emplace_back(packed(json::array({"SWRM", wire::kVersion, 20, 1, 0})));
   frames.emplace_back(packed(json{{"tensors", {desc}}}));
   frames.emplace_back(zmq::message_t(16));
   EXPECT_EQ(code_of(frames), WireErrc::kTooLarge);
@@ -190,7 +199,7 @@ TEST(Wire, RejectsHugeDeclaredShapeBeforeAllocating) {
 TEST(Wire, RejectsBadTensorDescriptions) {
   auto try_desc = [](json desc, size_t payload) {
     std::vector<zmq::message_t> frames;
-    frames.emplace_back(packed(json::array({"SWRM", 1, 20, 1, 0})));
+    frames.emplace_back(packed(json::array({"SWRM", wire::kVersion, 20, 1, 0})));
     frames.emplace_back(packed(json{{"tensors", {desc}}}));
     frames.emplace_back(zmq::message_t(payload));
     return code_of(frames);
@@ -215,7 +224,7 @@ TEST(Wire, RejectsDeepNesting) {
   std::string body(100, char(0x91));
   body.push_back(char(0xc0));
   std::vector<zmq::message_t> frames;
-  frames.emplace_back(packed(json::array({"SWRM", 1, 3, 0, 0})));
+  frames.emplace_back(packed(json::array({"SWRM", wire::kVersion, 3, 0, 0})));
   frames.emplace_back(zmq::message_t(body.data(), body.size()));
   EXPECT_EQ(code_of(frames), WireErrc::kTooLarge);
 }
@@ -224,7 +233,7 @@ TEST(Wire, RejectsOversizedDeclaredArray) {
   // An array header declaring 2^32-1 entries with nothing behind it.
   const unsigned char body[] = {0xdd, 0xff, 0xff, 0xff, 0xff};
   std::vector<zmq::message_t> frames;
-  frames.emplace_back(packed(json::array({"SWRM", 1, 3, 0, 0})));
+  frames.emplace_back(packed(json::array({"SWRM", wire::kVersion, 3, 0, 0})));
   frames.emplace_back(zmq::message_t(body, sizeof(body)));
   WireErrc c = code_of(frames);
   EXPECT_TRUE(c == WireErrc::kTooLarge || c == WireErrc::kTruncated);
@@ -232,7 +241,7 @@ TEST(Wire, RejectsOversizedDeclaredArray) {
 
 TEST(Wire, RejectsOversizedBodyFrame) {
   std::vector<zmq::message_t> frames;
-  frames.emplace_back(packed(json::array({"SWRM", 1, 3, 0, 0})));
+  frames.emplace_back(packed(json::array({"SWRM", wire::kVersion, 3, 0, 0})));
   frames.emplace_back(zmq::message_t(limits::kMaxBodyBytes + 1));
   EXPECT_EQ(code_of(frames), WireErrc::kTooLarge);
 }
@@ -248,7 +257,7 @@ TEST(Wire, RandomBytesNeverCrash) {
       for (auto& x : b) x = uint8_t(rng());
       if (f == 0 && i % 2 == 0) {
         // Half the time a valid envelope, so the body and tensor parsers get fuzzed too.
-        auto env = json::to_msgpack(json::array({"SWRM", 1, 20, 1, 0}));
+        auto env = json::to_msgpack(json::array({"SWRM", wire::kVersion, 20, 1, 0}));
         b.assign(env.begin(), env.end());
       }
       frames.emplace_back(b.data(), b.size());
@@ -401,7 +410,7 @@ TEST(Wire, TheProtocolDocsWorkedExampleIsWhatTheEncoderWrites) {
     }
     return h;
   };
-  EXPECT_EQ(hex(frames[0]), "95a45357524d01142a00");
+  EXPECT_EQ(hex(frames[0]), "95a45357524d02142a00");
   const std::string body = "85" "a4" + str("eval") + "c2" "a6" + str("job_id") + "01" "a2" + str("mb") + "07" "a5" + str("stage") +
                            "01" "a7" + str("tensors") + "91" "85" "a5" + str("codec") + "a4" + str("bf16") + "a5" + str("dtype") +
                            "a3" + str("f32") + "a6" + str("nbytes") + "cc80" "a5" + str("shape") + "93020408" "a5" + str("xxh64") +
@@ -409,4 +418,43 @@ TEST(Wire, TheProtocolDocsWorkedExampleIsWhatTheEncoderWrites) {
   EXPECT_EQ(frames[1].size(), 91u);
   EXPECT_EQ(hex(frames[1]), body);
   EXPECT_EQ(frames[2].size(), 128u);
+}
+
+// A refusal reaches a peer of any version: ERROR bad_version goes out in a v1 envelope, which
+// every version decodes; no other message may.
+TEST(Wire, RefusalsTravelInTheOldestEnvelope) {
+  Message e = msg::error_reply(7, 0, WireErrc::kBadVersion, "speak v2");
+  e.version = wire::kVersionForRefusals;
+  auto frames = wire::encode(e);
+  EXPECT_EQ(wire::peek_version(frames), 1);
+  Message back = wire::decode(frames);
+  EXPECT_EQ(back.type, MsgType::kError);
+  EXPECT_EQ(back.version, 1);
+  Message hb(MsgType::kHeartbeat);
+  hb.version = 1;
+  EXPECT_THROW(wire::encode(hb), std::exception);
+}
+
+// Routing ids are msgpack bin (v2): any bytes round-trip, and a reader refuses a str id.
+TEST(Wire, RoutingIdsAreBinary) {
+  msg::Welcome w;
+  w.peer_id = std::string("\x00\xff\x80p", 4);
+  w.heartbeat_ms = 500;
+  Message m = msg::make(w, 1);
+  const json j = wire::body_json(m);
+  ASSERT_TRUE(j["peer_id"].is_binary());
+  EXPECT_EQ(msg::read<msg::Welcome>(m).peer_id, w.peer_id);
+  Message old = wire::json_message(MsgType::kWelcome, 1, 0, json{{"peer_id", "p-0123"}});
+  EXPECT_THROW(msg::read<msg::Welcome>(old), WireError);
+  EXPECT_EQ(wire::printable_id("p-01ab"), "p-01ab");
+  EXPECT_EQ(wire::printable_id(std::string("\x00\xff", 2)), "0x00ff");
+  EXPECT_EQ(wire::id_from_hex("0x00ff"), std::string("\x00\xff", 2));
+  EXPECT_EQ(wire::id_from_hex("p-01"), std::nullopt);
+  // CHAOS names a peer by str (a name or a printable id) or by bin (an id only).
+  Message byname = wire::json_message(MsgType::kChaos, 2, 0, json{{"peer", "stage1-0"}, {"fault", "crash"}});
+  EXPECT_FALSE(msg::read<msg::Chaos>(byname).peer_is_id);
+  Message byid = wire::json_message(MsgType::kChaos, 2, 0, json{{"peer", wire::id_json(std::string("\x00\x01", 2))}, {"fault", "crash"}});
+  const msg::Chaos ch = msg::read<msg::Chaos>(byid);
+  EXPECT_TRUE(ch.peer_is_id);
+  EXPECT_EQ(ch.peer, std::string("\x00\x01", 2));
 }
