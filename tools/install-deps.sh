@@ -12,6 +12,7 @@ packages=(
   libcli11-dev libgtest-dev
   fortunes                             # the bundled example's training text
   python3-torch                        # tests/python/check_export.py: `swarm export` read back by PyTorch
+  iproute2                             # `ip netns`, veth, bridges and `tc ... tbf`: the namespaced hosts of test_hosts and `swarm bench hosts` (docs/hosts.md)
   clang libclang-rt-14-dev             # libFuzzer + ASan/UBSan for tests/fuzz (docs/fuzzing.md); tools/test.sh smokes them
 )
 
