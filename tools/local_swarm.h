@@ -1,7 +1,9 @@
-// local_swarm.h: a whole swarm on this machine, as real processes on loopback.
+// local_swarm.h: a whole swarm on this machine, as real processes on loopback or on
+// namespaced hosts (tools/hosts.h).
 //
-// Defines swarm::LocalSwarm (starts swarm-router and swarm-stage processes from the same
-// build directory as the running binary, logs each to a file, and stops every one of them,
+// Defines swarm::Place (where a process runs: a command prefix that enters its host, the
+// address it binds), swarm::LocalSwarm (starts swarm-router and swarm-stage processes from the
+// same build directory as the running binary, logs each to a file, and stops every one of them,
 // SIGTERM then SIGKILL, when destroyed; children also die with their parent; runs a chaos
 // plan against them on a background thread, recording each action in ChaosRecord) and
 // `follow_job` (polls a job's status, prints progress, returns the final status).
@@ -24,12 +26,21 @@
 
 namespace swarm {
 
+// Where a process runs. The default is this machine's loopback; on a namespaced host
+// (tools/hosts.h) `prefix` is its Hosts::exec_prefix and `address` its Hosts::address: the
+// router binds that address, a stage server listens for other peers' fetches on it.
+struct Place {
+  std::vector<std::string> prefix;  // prepended to the command line, e.g. {"/usr/sbin/ip", "netns", "exec", NS}
+  std::string address = "127.0.0.1";
+};
+
 struct StageProc {
   pid_t pid = -1;
   int stage = -1;
   std::string name;
   int threads = 1;
   std::vector<std::string> extra_args;
+  Place place;
   bool stopped = false;  // SIGSTOPped (by kill_stage or the chaos runner) and not resumed yet
 };
 
@@ -55,10 +66,13 @@ class LocalSwarm {
   LocalSwarm(const LocalSwarm&) = delete;
   LocalSwarm& operator=(const LocalSwarm&) = delete;
 
-  // Starts the router on a free loopback port and waits until it listens.
-  void start_router(const std::vector<std::string>& extra_args = {});
-  // Starts one stage server; returns its index in stages().
-  size_t start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args = {});
+  // Starts the router on a free port of `where`'s address and waits until it listens.
+  void start_router(const std::vector<std::string>& extra_args = {}, const Place& where = {});
+  // Starts one stage server at `where`, pointed at the router; unless extra_args say
+  // otherwise (--listen, --no-listen, --echo) it takes other peers' fetches on a free port of
+  // `where`'s address. Returns its index in stages().
+  size_t start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args = {},
+                     const Place& where = {});
   void kill_stage(size_t i, int sig);      // SIGKILL, SIGSTOP, SIGCONT, SIGTERM
   void restart_stage(size_t i);            // start again with the same arguments
   void kill_router(int sig);
@@ -76,12 +90,14 @@ class LocalSwarm {
   std::vector<ChaosRecord> chaos_log() const;
 
   const std::string& router_endpoint() const { return endpoint_; }
+  pid_t router_pid() const { return router_pid_; }
   const std::string& log_dir() const { return log_dir_; }
   std::vector<StageProc>& stages() { return stages_; }
 
  private:
   pid_t spawn(const std::vector<std::string>& argv, const std::string& log_name);
   std::string bin_dir_, log_dir_, endpoint_;
+  std::string router_bind_;                // tcp://ADDRESS:*, replaced by endpoint_ on a restart
   pid_t router_pid_ = -1;
   int router_restarts_ = 0;
   std::vector<std::string> router_args_;
