@@ -7,6 +7,7 @@
 // codec: compression/bench_codec.h.
 // hetero: an unbalanced emulated mix of fast and slow peers under static routing, swarm
 //   routing and swarm routing with the rebalancer, against the best assignment's throughput.
+// hosts: bench_hosts.cpp.
 // gpu: bench_gpu.cpp.
 #include "tools/bench.h"
 
@@ -658,8 +659,9 @@ int run_bench(const std::string& name, bool as_json) {
   if (name == "diloco") return bench_diloco(as_json);
   if (name == "faults") return bench_faults(as_json);
   if (name == "hetero") return bench_hetero(as_json);
+  if (name == "hosts") return run_hosts_bench(as_json);
   if (name == "gpu") return run_gpu_bench(as_json);
-  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero, gpu" << std::endl;
+  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero, hosts, gpu" << std::endl;
   return 2;
 }
 

@@ -13,4 +13,7 @@ int run_bench(const std::string& name, bool json);
 // `swarm bench gpu` (bench_gpu.cpp): 2 without a CUDA device or a -DSWARM_CUDA=ON build.
 int run_gpu_bench(bool json);
 
+// `swarm bench hosts` (bench_hosts.cpp): 1 where namespaced hosts cannot be made (not root).
+int run_hosts_bench(bool json);
+
 }  // namespace swarm
