@@ -8,6 +8,7 @@
 // codec: compression/bench_codec.h.
 // hetero: an unbalanced emulated mix of fast and slow peers under static routing, swarm
 //   routing and swarm routing with the rebalancer, against the best assignment's throughput.
+// hosts: bench_hosts.cpp.
 // gpu: bench_gpu.cpp.
 // sim: bench_sim.cpp.
 #include "tools/bench.h"
@@ -773,9 +774,10 @@ int run_bench(const std::string& name, bool as_json) {
   if (name == "diloco") return bench_diloco(as_json);
   if (name == "faults") return bench_faults(as_json);
   if (name == "hetero") return bench_hetero(as_json);
+  if (name == "hosts") return run_hosts_bench(as_json);
   if (name == "gpu") return run_gpu_bench(as_json);
   if (name == "sim") return run_sim_bench(as_json);
-  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero, sim, gpu" << std::endl;
+  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero, hosts, sim, gpu" << std::endl;
   return 2;
 }
 

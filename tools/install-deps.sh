@@ -16,6 +16,7 @@ packages=(
   fortunes                             # the bundled example's training text
   python3-torch                        # tests/python/check_export.py: `swarm export` read back by PyTorch
   python3-msgpack python3-zmq python3-xxhash python3-numpy  # examples/python_peer: the reference peer in Python (docs/model.md)
+  iproute2                             # `ip netns`, veth, bridges and `tc ... tbf`: the namespaced hosts of test_hosts and `swarm bench hosts` (docs/hosts.md)
   clang libclang-rt-14-dev             # libFuzzer + ASan/UBSan for tests/fuzz (docs/fuzzing.md); tools/test.sh smokes them
   tcpdump                              # tests/integration/test_security.cpp: no plaintext on the wire under CURVE
 )

@@ -117,10 +117,13 @@ void LocalSwarm::wait_ready(const std::string& ready, const std::string& log_nam
   throw std::runtime_error("swarm-router did not start listening within 10 s; see " + log_dir_ + "/" + log_name);
 }
 
-void LocalSwarm::start_router(const std::vector<std::string>& extra_args) {
+void LocalSwarm::start_router(const std::vector<std::string>& extra_args, const Place& where) {
   const std::string ready = log_dir_ + "/router.addr";
   unlink(ready.c_str());
-  router_args_ = {bin_dir_ + "/swarm-router", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready};
+  router_bind_ = "tcp://" + where.address + ":*";
+  router_args_ = where.prefix;
+  for (const std::string& a : {bin_dir_ + "/swarm-router", std::string("--bind"), router_bind_, std::string("--ready-file"), ready})
+    router_args_.push_back(a);
   // This process's clients (tests, `swarm local` itself) talk to the router started last: as
   // its admin, or without keys.
   if (!secure_) {
@@ -149,7 +152,7 @@ void LocalSwarm::restart_router() {
   if (router_pid_ > 0) kill_router(SIGKILL);
   std::vector<std::string> args = router_args_;
   for (auto& a : args)
-    if (a == "tcp://127.0.0.1:*") a = endpoint_;
+    if (a == router_bind_) a = endpoint_;
   const std::string ready = log_dir_ + "/router.addr";
   unlink(ready.c_str());
   const std::string log_name = "router." + std::to_string(++router_restarts_) + ".log";
@@ -157,9 +160,11 @@ void LocalSwarm::restart_router() {
   wait_ready(ready, log_name);
 }
 
-size_t LocalSwarm::start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args) {
+size_t LocalSwarm::start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args,
+                               const Place& where) {
   std::lock_guard<std::recursive_mutex> l(mu_);
   StageProc p;
+  p.place = where;
   p.stage = stage;
   p.name = name;
   p.threads = threads;
@@ -192,8 +197,10 @@ void LocalSwarm::restart_stage(size_t i) {
     waitpid(p.pid, nullptr, 0);
   }
   p.stopped = false;
-  std::vector<std::string> argv = {bin_dir_ + "/swarm-stage", "--router", endpoint_, "--name", p.name,
-                                   "--threads", std::to_string(p.threads)};
+  std::vector<std::string> argv = p.place.prefix;
+  for (const std::string& a : {bin_dir_ + "/swarm-stage", std::string("--router"), endpoint_, std::string("--name"), p.name,
+                               std::string("--threads"), std::to_string(p.threads)})
+    argv.push_back(a);
   if (p.stage >= 0) {
     argv.push_back("--stage");
     argv.push_back(std::to_string(p.stage));
@@ -217,7 +224,7 @@ void LocalSwarm::restart_stage(size_t i) {
   const bool echo = std::find(p.extra_args.begin(), p.extra_args.end(), "--echo") != p.extra_args.end();
   if (!own_listen && !echo && !hub) {
     argv.push_back("--listen");
-    argv.push_back("tcp://127.0.0.1:*");
+    argv.push_back("tcp://" + p.place.address + ":*");
   }
   const std::vector<std::string> faults = stage_faults_.stage_args(p.name);
   argv.insert(argv.end(), faults.begin(), faults.end());

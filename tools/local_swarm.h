@@ -1,7 +1,9 @@
-// local_swarm.h: a whole swarm on this machine, as real processes on loopback.
+// local_swarm.h: a whole swarm on this machine, as real processes on loopback or on
+// namespaced hosts (tools/hosts.h).
 //
-// Defines swarm::LocalSwarm (starts swarm-router and swarm-stage processes from the same
-// build directory as the running binary, logs each to a file, and stops every one of them,
+// Defines swarm::Place (where a process runs: a command prefix that enters its host, the
+// address it binds), swarm::LocalSwarm (starts swarm-router and swarm-stage processes from the
+// same build directory as the running binary, logs each to a file, and stops every one of them,
 // SIGTERM then SIGKILL, when destroyed; children also die with their parent; runs a chaos
 // plan against them on a background thread, recording each action in ChaosRecord) and
 // `follow_job` (polls a job's status, prints progress, returns the final status).
@@ -24,6 +26,14 @@
 
 namespace swarm {
 
+// Where a process runs. The default is this machine's loopback; on a namespaced host
+// (tools/hosts.h) `prefix` is its Hosts::exec_prefix and `address` its Hosts::address: the
+// router binds that address, a stage server listens for other peers' fetches on it.
+struct Place {
+  std::vector<std::string> prefix;  // prepended to the command line, e.g. {"/usr/sbin/ip", "netns", "exec", NS}
+  std::string address = "127.0.0.1";
+};
+
 struct StageProc {
   pid_t pid = -1;
   int stage = -1;
@@ -31,6 +41,7 @@ struct StageProc {
   int threads = 1;
   std::vector<std::string> extra_args;
   std::vector<std::string> command;  // a peer that is not swarm-stage: its argv, "{router}" replaced
+  Place place;
   bool stopped = false;  // SIGSTOPped (by kill_stage or the chaos runner) and not resumed yet
 };
 
@@ -62,15 +73,19 @@ class LocalSwarm {
   // the router's, one per stage server (made when it starts, listed in <log_dir>/keys/authorized)
   // and an admin key that this process's Clients use (SWARM_KEY and SWARM_ROUTER_KEY are set;
   // without CURVE they are unset: clients follow the router started last).
-  void start_router(const std::vector<std::string>& extra_args = {});
+  // `where`: the host it runs on (tools/hosts.h; default: this one, on loopback).
+  void start_router(const std::vector<std::string>& extra_args = {}, const Place& where = {});
   void set_secure(bool on) { secure_ = on; }
   bool secure() const { return secure_; }
   // A key of this swarm for a party of `role` (stage, client, admin) named `name`: made, listed
   // in the authorized file (the router picks it up within a second), and returned as the path of
   // its .key file.
   std::string add_key(const std::string& name, const std::string& role);
-  // Starts one stage server; returns its index in stages().
-  size_t start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args = {});
+  // Starts one stage server at `where`, pointed at the router; unless extra_args say
+  // otherwise (--listen, --no-listen, --echo) it takes other peers' fetches on a free port of
+  // `where`'s address. Returns its index in stages().
+  size_t start_stage(int stage, const std::string& name, int threads, const std::vector<std::string>& extra_args = {},
+                     const Place& where = {});
   // Starts a stage server of another implementation (e.g. examples/python_peer): `argv` with
   // every "{router}" replaced by the router's endpoint; stopped and restarted like the others.
   size_t start_command(int stage, const std::string& name, std::vector<std::string> argv);
@@ -94,6 +109,7 @@ class LocalSwarm {
   const std::string& http_url() const { return http_url_; }   // "" unless the router serves HTTP
   // --log-format for the router and the stage servers started from now on ("" leaves their default).
   void set_log_format(const std::string& format) { log_format_ = format; }
+  pid_t router_pid() const { return router_pid_; }
   const std::string& log_dir() const { return log_dir_; }
   std::vector<StageProc>& stages() { return stages_; }
 
@@ -104,6 +120,7 @@ class LocalSwarm {
   std::string keys_dir_;                   // <log_dir>/keys: stage keys and the authorized file
   // Waits for the router's ready file: its endpoint, and its HTTP URL when it serves one.
   void wait_ready(const std::string& ready, const std::string& log_name);
+  std::string router_bind_;                // tcp://ADDRESS:*, replaced by endpoint_ on a restart
   pid_t router_pid_ = -1;
   int router_restarts_ = 0;
   std::vector<std::string> router_args_;
