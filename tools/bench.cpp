@@ -166,6 +166,7 @@ JobSpec pipeline_spec(int stages) {
   j["steps"] = 30;
   j["partition"] = {{"stages", stages}};
   j["diloco"]["inner_steps"] = 1000;  // no round inside the measured window
+  j["diloco"]["warm_start_steps"] = 0;  // nor a flush at every step
   j["eval"] = {{"every_steps", 0}, {"batches", 2}};
   j["schedule"] = "async";
   return parse_job_spec(j, true);
@@ -234,6 +235,8 @@ int bench_compression(bool as_json) {
   json raw = json::object();
   for (const Case& cs : cases) {
     json j = cs.job;
+    j["schedule"] = "sync";                // the codecs' cost alone: exact training otherwise
+    j["diloco"]["warm_start_steps"] = 0;   // as first measured (docs/compression.md)
     j["compression"]["activations"] = cs.codec;
     j["compression"]["gradients"] = cs.codec;
     JobSpec spec = parse_job_spec(j, true);
@@ -293,6 +296,7 @@ int bench_diloco(bool as_json) {
     j["steps"] = steps;
     j["schedule"] = "sync";
     j["diloco"]["sync"] = cs.sync;
+    j["diloco"]["warm_start_steps"] = 0;  // "scratch" is from a cold start; "warm" resumes from one
     j["diloco"]["inner_steps"] = cs.H;
     j["diloco"]["streaming"] = {{"fragments", cs.F}, {"overlap_steps", cs.overlap}};
     j["compression"]["outer"] = cs.codec;
@@ -372,6 +376,7 @@ json run_hetero(Client& c, const char* name, const std::string& mode, bool rebal
   j["schedule"] = "async";
   j["max_inflight"] = 24;
   j["diloco"]["inner_steps"] = 100000;  // no round (a barrier) inside the window
+  j["diloco"]["warm_start_steps"] = 0;     // nor a flush at every step
   j["eval"] = {{"every_steps", 0}, {"batches", 1}};
   j["routing"] = {{"mode", mode}, {"rebalance", rebalance}, {"rebalance_period_s", kHeteroPeriodS},
                   {"cooldown_s", kHeteroCooldownS}, {"min_gain", 0.1}};
