@@ -4,6 +4,14 @@
     build/swarm bench quality --json > docs/quality-bench.jsonl
     tools/plot_schedules.py docs/quality-bench.jsonl docs/schedules-loss-vs-tokens.svg
 
+or, from runs made one by one (the same cases, e.g. on a machine too busy for the whole bench):
+
+    tools/plot_schedules.py --runs reference=REF.jsonl sync1=A.jsonl async=B.jsonl ... OUT.svg
+
+where each file is the `--json` output of `swarm reference JOB` or `swarm local JOB` (its
+`{"event": "done", ...}` line is the one used) and each name is one of the bench's cases; a
+number instead of a file (`reference=2.293`) is a final validation loss alone, drawn as a line.
+
 Reads the bench's JSON lines (the summary line, {"bench": "quality", ..., "raw": {...}}, is the
 one used) and writes an SVG with two panels: the whole run, and its last third magnified, where
 the cases part. Each case is one line: its training loss per step averaged over a window of
@@ -21,7 +29,7 @@ WINDOW = 10                          # steps per point of the smoothed training 
 ORDER = ["reference", "sync1", "sync2", "async", "full_stack", "async_local"]
 COLORS = {"reference": "#000000", "sync1": "#7f7f7f", "sync2": "#1f77b4", "async": "#2ca02c",
           "full_stack": "#d62728", "async_local": "#ff7f0e"}
-LABELS = {"reference": "one process (swarm reference)", "sync1": "sync, 1 peer/stage", "sync2": "sync, 2 peers/stage",
+LABELS = {"reference": "one process (swarm reference), final val loss", "sync1": "sync, 1 peer/stage", "sync2": "sync, 2 peers/stage",
           "async": "async (default), 2 peers/stage", "full_stack": "async, int8, chaos, 2 peers/stage",
           "async_local": "async_local (first async), 2 peers/stage"}
 
@@ -35,6 +43,37 @@ def summary_of(lines):
         if j.get("bench") == "quality" and "raw" in j:
             return j
     sys.exit("no `swarm bench quality --json` summary line in the input")
+
+
+def raw_of_runs(pairs):
+    """The bench's "raw" from separate runs: NAME=FILE pairs of `swarm reference/local --json` output."""
+    raw = {}
+    for pair in pairs:
+        name, path = pair.split("=", 1)
+        if name not in LABELS:
+            sys.exit("unknown case %r; one of: %s" % (name, ", ".join(ORDER)))
+        try:
+            raw[name] = {"val_loss": float(path), "curve": {"train": [], "val": []}, "level": True}
+            continue
+        except ValueError:
+            pass
+        done = None
+        with open(path) as f:
+            for line in f:
+                if line.startswith("{"):
+                    j = json.loads(line)
+                    if j.get("event") == "done":
+                        done = j
+        if done is None:
+            sys.exit("%s: no {\"event\": \"done\"} line" % path)
+        if "losses" in done:  # swarm reference: train losses per step, one final val loss
+            train = [[i + 1, l] for i, l in enumerate(done["losses"])]
+            val = [[len(done["losses"]), done["val_loss"]]]
+        else:
+            train = [[h["step"], h["train_loss"]] for h in done["history"] if h.get("train_loss") is not None]
+            val = [[h["step"], h["val_loss"]] for h in done["history"] if h.get("val_loss") is not None]
+        raw[name] = {"val_loss": done["val_loss"], "curve": {"train": train, "val": val}, "x_is_steps": True}
+    return raw
 
 
 def smooth(points):
@@ -98,14 +137,23 @@ def panel(out, x0, title, series, x_lo, x_hi):
 
 
 def main():
-    if len(sys.argv) != 3:
-        sys.exit("usage: plot_schedules.py BENCH.jsonl OUT.svg")
-    with open(sys.argv[1]) as f:
-        raw = summary_of(f.readlines())["raw"]
+    if len(sys.argv) >= 4 and sys.argv[1] == "--runs":
+        raw = raw_of_runs(sys.argv[2:-1])
+    elif len(sys.argv) == 3:
+        with open(sys.argv[1]) as f:
+            raw = summary_of(f.readlines())["raw"]
+    else:
+        sys.exit("usage: plot_schedules.py BENCH.jsonl OUT.svg | plot_schedules.py --runs NAME=FILE... OUT.svg")
     names = [n for n in ORDER if n in raw]
-    series = [(COLORS[n], smooth([tuple(p) for p in raw[n]["curve"]["train"]]), [tuple(p) for p in raw[n]["curve"]["val"]])
-              for n in names]
+
+    def tokens(case, pts):  # separate runs give steps: the bundled example's 32 x 64 tokens each
+        return [(x * 32 * 64 if case.get("x_is_steps") else x, y) for x, y in pts]
+    series = [(COLORS[n], smooth(tokens(raw[n], raw[n]["curve"]["train"])), tokens(raw[n], raw[n]["curve"]["val"]))
+              for n in names if not raw[n].get("level")]
     x_max = max(x for _, pts, val in series for x, _ in pts + val)
+    # A final validation loss alone: a dashed level across the run.
+    levels = [(COLORS[n], raw[n]["val_loss"]) for n in names if raw[n].get("level")]
+    series += [(c, [(0, v), (x_max * 2 / 3, v), (x_max, v)], []) for c, v in levels]
     width = 2 * (MARGIN_L + PANEL_W + MARGIN_R) + LEGEND_W
     height = MARGIN_T + PANEL_H + MARGIN_B
     out = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif">' % (width, height),
@@ -121,7 +169,7 @@ def main():
         out.append('<line x1="%g" y1="%g" x2="%g" y2="%g" stroke="%s" stroke-width="3"/>' % (lx, y - 4, lx + 22, y - 4, COLORS[n]))
         out.append('<text x="%g" y="%g" font-size="12">%s: %.3f%s</text>' % (lx + 28, y, escape(LABELS[n]), val, rel))
     out.append("</svg>")
-    with open(sys.argv[2], "w") as f:
+    with open(sys.argv[-1], "w") as f:
         f.write("\n".join(out) + "\n")
 
 
