@@ -8,10 +8,6 @@
 
 namespace swarm::router {
 
-bool dense_step(const JobSpec& spec, int step) {
-  return spec.diloco.sync == DilocoSync::kEveryStep || step <= spec.diloco.warm_start_steps;
-}
-
 int delta_round_due(const JobSpec& spec, int step, int last_round_step, bool end) {
   if (dense_step(spec, step) || step == last_round_step) return -1;
   const int H = spec.diloco.inner_steps, F = spec.diloco.fragments;

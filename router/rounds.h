@@ -43,10 +43,6 @@
 
 namespace swarm::router {
 
-// Whether the group sums gradients and takes one step together at job step `step` (1-based):
-// always under diloco.sync "every_step", and during a "rounds" job's warm start.
-bool dense_step(const JobSpec& spec, int step);
-
 // The fragment whose DiLoCo round is due once `step` steps are done, or -1: every inner_steps
 // steps after the last round (and at the end, `end`) without streaming; with F fragments,
 // fragment f once every inner_steps steps at its offset (diloco::fragment_due).

@@ -283,7 +283,9 @@ void TrainingJob::take(Ctx& c, uint64_t index, bool eval) {
 
 uint64_t TrainingJob::next_barrier_mb() const {
   const uint64_t M = uint64_t(M_);
-  if (spec_.schedule == Schedule::kSync) return std::min(total_mbs_, (uint64_t(steps_done_) + 1) * M);
+  // A flush before every step under sync, and before every dense step (the warm start) under any
+  // schedule: the group sums the gradients of exactly that step.
+  if (spec_.schedule == Schedule::kSync || dense_step(spec_, steps_done_ + 1)) return std::min(total_mbs_, (uint64_t(steps_done_) + 1) * M);
   auto multiple = [](int s, int every) { return every > 0 && s % every == 0; };
   for (int s = steps_done_ + 1; s < spec_.steps; ++s) {
     if (delta_round_due(spec_, s, rounds_.last_step(), false) >= 0 || (rounds_.open() && s >= rounds_.apply_step()) ||
@@ -359,11 +361,14 @@ void TrainingJob::advance(Ctx& c) {
   if (state_ == JobState::kRunning && phase_ == Phase::kTrain) maybe_rebalance(c);
 }
 
-// All microbatches up to a barrier completed. Under `sync` every peer steps (unless the group
-// sums its gradients in a round, which replaces the step).
+// All microbatches up to a barrier completed. Under `sync` and `async` every peer steps on what
+// it holds (unless the group sums its gradients in a round, which replaces the step); under
+// `async_local` peers step on their own.
 void TrainingJob::on_barrier(Ctx& c) {
   steps_done_ = int(completed_ / uint64_t(M_));
-  if (spec_.schedule == Schedule::kSync && !dense_step(spec_, steps_done_)) {
+  // Under async too: the peers apply the step they hold before a round, an evaluation or a
+  // checkpoint reads their weights.
+  if (spec_.schedule != Schedule::kAsyncLocal && !dense_step(spec_, steps_done_)) {
     phase_ = Phase::kStepping;
     // A backward of this step overflowed somewhere (fp16): every stage skips the step, so the
     // stages never step on different sets of gradients (docs/gpu.md).

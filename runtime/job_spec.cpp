@@ -525,10 +525,12 @@ void fill_and_validate(JobSpec& s, bool check_files) {
                                                std::to_string(dl.inner_steps / dl.fragments) + "), got " +
                                                std::to_string(dl.overlap_steps) + ": a fragment's exchange must land before the next one starts");
   }
-  if (dl.warm_start_steps < 0) fail("diloco.warm_start_steps", "must be >= 0 (0: rounds from the first step), got " + std::to_string(dl.warm_start_steps));
-  if (dl.warm_start_steps > 0 && s.schedule != Schedule::kSync) {
-    fail("diloco.warm_start_steps", "syncs every step during the warm start, which needs schedule \"sync\" "
-                                    "(a barrier at every step); set \"schedule\": \"sync\"");
+  if (dl.warm_start_steps < -1) {
+    fail("diloco.warm_start_steps", "must be >= 0 (0: rounds from the first step), or -1 for the default, got " +
+                                        std::to_string(dl.warm_start_steps));
+  }
+  if (dl.warm_start_steps == -1) {
+    dl.warm_start_steps = dl.sync == DilocoSync::kRounds ? int(double(s.steps) * kAutoWarmStartFraction) : 0;
   }
   if (dl.sync == DilocoSync::kEveryStep && s.schedule != Schedule::kSync) {
     fail("diloco.sync", "\"every_step\" averages gradients at every optimizer step, which needs schedule \"sync\" "
@@ -595,7 +597,17 @@ std::string parser_reason(const std::string& what) {
 
 }  // namespace
 
-const char* schedule_name(Schedule s) { return s == Schedule::kSync ? "sync" : "async"; }
+const char* schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::kSync: return "sync";
+    case Schedule::kAsyncLocal: return "async_local";
+    default: return "async";
+  }
+}
+
+bool dense_step(const JobSpec& spec, int step) {
+  return spec.diloco.sync == DilocoSync::kEveryStep || step <= spec.diloco.warm_start_steps;
+}
 const char* diloco_sync_name(DilocoSync s) { return s == DilocoSync::kEveryStep ? "every_step" : "rounds"; }
 const char* routing_mode_name(RoutingMode m) { return m == RoutingMode::kStatic ? "static" : "swarm"; }
 const char* hops_name(Hops h) { return h == Hops::kHub ? "hub" : "p2p"; }
@@ -618,8 +630,9 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
   top.get("steps", s.steps);
   std::string schedule = schedule_name(s.schedule);
   top.get("schedule", schedule);
-  s.schedule = choose<Schedule>("schedule", schedule, {{"async", Schedule::kAsync}, {"sync", Schedule::kSync}},
-                                "\"async\" (no barrier, SWARM) or \"sync\" (flush at every step, exact)");
+  s.schedule = choose<Schedule>("schedule", schedule, {{"async", Schedule::kAsync}, {"sync", Schedule::kSync}, {"async_local", Schedule::kAsyncLocal}},
+                                "\"async\" (no flush, one step per job step), \"sync\" (flush at every step, exact) "
+                                "or \"async_local\" (no flush, each peer steps on its own)");
   top.get("max_inflight", s.max_inflight);
 
   if (const json* v = top.sub("model")) {

@@ -17,7 +17,11 @@
 namespace swarm {
 
 // The decisions a job spec names as strings, parsed once (to_json writes the same strings).
-enum class Schedule { kAsync, kSync };        // "async": no barrier (SWARM); "sync": flush at every step (exact)
+// "async": no flush between steps; each peer takes one step per job step on the microbatches of
+// that step it served, at the job step's learning rate (docs/schedules.md). "sync": flush at
+// every step (exact). "async_local": no flush; each peer steps on its own after inner_batch
+// samples, at its own count's learning rate (the first asynchronous schedule, kept to compare).
+enum class Schedule { kAsync, kSync, kAsyncLocal };
 enum class DilocoSync { kRounds, kEveryStep };  // "rounds": DiLoCo; "every_step": the data-parallel reference
 enum class RoutingMode { kSwarm, kStatic };   // "swarm": least expected completion; "static": fixed pipelines
 enum class Hops { kP2p, kHub };               // "p2p": tensors go peer to peer; "hub": through the router
@@ -89,10 +93,16 @@ struct DilocoSpec {
   // "rounds": the first warm_start_steps steps sync every step as "every_step" does, then the
   // rounds begin from that one shared state (post-local SGD; the DiLoCo paper starts from a
   // pretrained model). Peers drift most early in training, when the loss moves fastest.
-  int warm_start_steps = 0;
+  // -1 ("auto") -> derived: kAutoWarmStartFraction of the job's steps under "rounds", 0 under
+  // "every_step". Any schedule: during the warm start the router flushes the pipeline at every step.
+  int warm_start_steps = -1;
   int fragments = 1;           // streaming: the parameters split in F fragments, one synced every H/F steps
   int overlap_steps = 0;       // streaming: inner steps a fragment's exchange overlaps before it is applied
 };
+
+// The share of a job's steps that the derived warm start covers (docs/schedules.md has the
+// measurements behind it).
+constexpr double kAutoWarmStartFraction = 1.0 / 3.0;
 
 struct CompressionSpec {       // codec names as compression/codec.h parses them ("fp32", "bf16", "int8:block=64", ...)
   std::string activations = "fp32";
@@ -164,6 +174,11 @@ nlohmann::json to_json(const JobSpec& spec);
 // token and position embeddings on stage 0, its blocks on every stage, the final norm and the
 // LM head on the last. The router takes a stage's size from here, never from a peer.
 std::vector<int64_t> stage_parameter_counts(const JobSpec& spec);
+
+// Whether job step `step` (1-based) is dense: the stage group sums its gradients and every peer
+// takes the same step (diloco.sync "every_step", and the warm start of "rounds"). The pipeline
+// flushes before such a step under every schedule.
+bool dense_step(const JobSpec& spec, int step);
 
 // Field-by-field equality (through the canonical JSON), e.g. to check that peers run the same job.
 bool operator==(const JobSpec& a, const JobSpec& b);

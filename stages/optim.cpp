@@ -30,11 +30,12 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, Op
   }
 }
 
-double AdamW::step(int64_t samples, double grad_scale) {
+double AdamW::step(int64_t samples, double grad_scale, int64_t lr_step, double lr_factor) {
   SWARM_CHECK(samples > 0, "an optimizer step needs at least one sample");
   SWARM_CHECK(grad_scale > 0, "a gradient scale is positive");
+  SWARM_CHECK(lr_factor > 0, "a learning-rate factor is positive");
   torch::NoGradGuard no_grad;
-  const double lr = lr_at(opt_, t_, total_steps_);
+  const double lr = lr_factor * lr_at(opt_, lr_step >= 0 ? lr_step : t_, total_steps_);
   if (constraint_) constraint_->project_grads(params_);
 
   // Mean gradient, and its L2 norm over the whole stage.

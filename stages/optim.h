@@ -55,8 +55,11 @@ class AdamW {
   // over `samples` samples, multiplied by `grad_scale` (a loss scale; a power of two, so the
   // one division by samples x grad_scale rounds exactly as dividing by samples alone would).
   // Returns the gradient norm before clipping (of the mean gradient). Parameters without a
-  // gradient are left alone (no decay either), as torch does.
-  double step(int64_t samples, double grad_scale = 1.0);
+  // gradient are left alone (no decay either), as torch does. `lr_step` >= 0: the learning rate
+  // of that (0-based) step of the schedule instead of this optimizer's own count (the async
+  // schedule: a peer steps at the job's step, not at its own); bias correction counts its own.
+  // `lr_factor` multiplies the schedule's learning rate (async: the gradients' staleness).
+  double step(int64_t samples, double grad_scale = 1.0, int64_t lr_step = -1, double lr_factor = 1.0);
   // Drops the gradients (sets them undefined, as torch 2.x's zero_grad).
   void zero_grad();
   // Keeps `c` (not owned; it outlives this optimizer) from the next step on; null for none.

@@ -48,6 +48,7 @@ struct CacheEntry {
   uint64_t input_checksum = 0;  // the backward must carry exactly the input this graph saw
   torch::Tensor input, output;
   Clock::time_point at;
+  uint64_t version = 0;         // the weights the forward ran on (Impl::version_)
 };
 
 bool is_hop(MsgType t) {
@@ -231,6 +232,8 @@ struct Worker::Impl {
     theta_g_ = flatten();
     momentum_.assign(theta_g_.size(), 0.f);
     accum_samples_ = 0;
+    stale_samples_ = 0;
+    held_step_ = 0;
     sent_.clear();
     outer_ef_ = std::make_unique<compression::ErrorFeedback>();
     const double fwd_ms = measure();
@@ -385,7 +388,8 @@ struct Worker::Impl {
       else ++it;
     }
     while (cache_.size() >= opt_.cache_entries) cache_.pop_front();
-    cache_.push_back(CacheEntry{mb, checksum, std::move(x), std::move(out), now});
+    cache_.push_back(CacheEntry{mb, checksum, std::move(x), std::move(out), now, version_});
+    drop_unused_stashes();
   }
 
   Message forward_loss(Message& req) {
@@ -396,6 +400,7 @@ struct Worker::Impl {
     torch::Tensor x = input_tensor(req.tensors[0], 0);
     torch::Tensor y = targets_tensor(req.tensors[1], x);
     const int64_t samples = x.size(0);
+    before_backward(h.mb);
     if (!model_->is_first()) x.requires_grad_(true);
     torch::Tensor loss = StageModel::loss(model_->forward(x), y);
     prec_.backward(loss, torch::full({}, double(samples), loss.options()), fault_.overflow);  // (loss x samples x scale).backward()
@@ -406,7 +411,7 @@ struct Worker::Impl {
     const torch::Tensor gx = finish_backward(x, r);
     Message rep = result(req, h, r);
     if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_grad(emit(gx)); }));
-    accumulate(samples);
+    accumulate(samples, h.mb);
     return rep;
   }
 
@@ -422,23 +427,49 @@ struct Worker::Impl {
       throw BadTensor(1, e.what());
     }
     if (!torch::isfinite(g).all().item<bool>()) throw BadTensor(1, "non-finite values in the output gradient");
+    before_backward(h.mb);
     torch::Tensor x, out;
     bool cached = false;
+    // This peer's weights, set aside while a stashed version computes; put back whatever happens.
+    struct SetAside {
+      Impl* impl;
+      std::vector<float> flat;
+      void put_back() {
+        if (!flat.empty()) impl->load_flat(flat);
+        flat.clear();
+      }
+      ~SetAside() { put_back(); }
+    } current{this, {}};
     for (auto it = cache_.begin(); it != cache_.end(); ++it) {
       if (it->mb == h.mb && it->input_checksum == req.tensors[0].desc.checksum) {
-        x = it->input;
-        out = it->output;
+        auto stash = stashes_.find(it->version);
+        // Other schedules step only at barriers (sync), or keep the graph as it is (async_local).
+        if (it->version == version_ || spec_.schedule != Schedule::kAsync) {
+          x = it->input;
+          out = it->output;
+          cached = true;
+        } else if (stash != stashes_.end()) {
+          // The weights stepped since this forward, in place under its graph: recompute the
+          // forward on the weights it ran on (weight stashing, PipeDream), so the backward is
+          // the gradient of what the next stage received. The gradient adds to the current step.
+          current.flat = flatten();
+          load_flat(stash->second);
+          x = it->input.detach();
+          if (!model_->is_first()) x.requires_grad_(true);
+          out = model_->forward(x);
+          stats_.recomputes++;
+          stale_samples_ += int64_t(version_ - it->version) * x.size(0);
+        }
         cache_.erase(it);
-        cached = true;
         break;
       }
     }
-    if (!cached) {
+    if (!cached && !out.defined()) {
       x = input_tensor(req.tensors[0], 0);
       if (!model_->is_first()) x.requires_grad_(true);
       out = model_->forward(x);
       stats_.recomputes++;
-    } else {
+    } else if (cached) {
       stats_.cache_hits++;
     }
     if (g.sizes() != out.sizes()) throw BadTensor(1, "output gradient shape does not match the stage output");
@@ -449,10 +480,32 @@ struct Worker::Impl {
     r.cached = cached;
     r.samples = samples;
     const torch::Tensor gx = finish_backward(x, r);
+    current.put_back();
+    drop_unused_stashes();
     Message rep = result(req, h, r);
     if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_grad(emit(gx)); }));
-    accumulate(samples);
+    accumulate(samples, h.mb);
     return rep;
+  }
+
+  // Before the weights change in place (an optimizer step): the affinity cache's graphs that ran
+  // on these weights keep a copy of them for their backwards (async: the microbatches in flight).
+  void before_weights_change() {
+    for (const CacheEntry& e : cache_) {
+      if (spec_.schedule != Schedule::kAsync) break;
+      if (e.version != version_) continue;
+      stashes_[version_] = flatten();
+      break;
+    }
+    version_++;
+  }
+
+  void drop_unused_stashes() {
+    for (auto it = stashes_.begin(); it != stashes_.end();) {
+      bool used = false;
+      for (const CacheEntry& e : cache_) used |= e.version == it->first;
+      it = used ? std::next(it) : stashes_.erase(it);
+    }
   }
 
   void publish_scale() { stats_.loss_scale = prec_.scaling() ? prec_.scale() : 0.0; }  // for heartbeats
@@ -467,11 +520,24 @@ struct Worker::Impl {
     return gx;
   }
 
-  // Async: a peer steps on its own once it has accumulated inner_batch samples.
-  void accumulate(int64_t samples) {
+  // The job step (1-based) that training microbatch `mb` belongs to.
+  int job_step_of(uint64_t mb) const { return int(mb / uint64_t(spec_.microbatches_per_step())) + 1; }
+
+  // async: a backward of a later job step than the gradients held ends the held step: the peer
+  // takes it (on the samples of it that it served) before this backward adds to the gradients.
+  // A dense step is the round's to take.
+  void before_backward(uint64_t mb) {
+    if (spec_.schedule != Schedule::kAsync || accum_samples_ == 0) return;
+    if (job_step_of(mb) > held_step_ && !dense_step(spec_, held_step_)) take_step();
+  }
+
+  // After a backward's gradients were added. async_local: a peer steps on its own once it has
+  // accumulated inner_batch samples (outside the warm start, whose steps are the round's).
+  void accumulate(int64_t samples, uint64_t mb) {
     accum_samples_ += samples;
+    held_step_ = std::max(held_step_, job_step_of(mb));
     const int inner = spec_.batch.inner_batch > 0 ? spec_.batch.inner_batch : spec_.batch.batch_size;
-    if (spec_.schedule == Schedule::kAsync && accum_samples_ >= inner) take_step();
+    if (spec_.schedule == Schedule::kAsyncLocal && !dense_step(spec_, held_step_) && accum_samples_ >= inner) take_step();
   }
 
   // `skip`: the router's instruction (another stage overflowed). An overflow here skips too.
@@ -484,15 +550,25 @@ struct Worker::Impl {
     if (skipped) {
       optim_->zero_grad();
       accum_samples_ = 0;
+      stale_samples_ = 0;
       stats_.skipped_steps++;
       log_info("stage", std::string("skipped an optimizer step: ") + (skip ? "the router said so" : "the gradients overflowed") +
                             "; loss scale " + std::to_string(prec_.scale()));
       return true;
     }
-    const double norm = optim_->step(accum_samples_, scale);
+    // async: the learning rate of the job step the gradients belong to, whatever number of steps
+    // this peer took (it serves a share of the microbatches; it may have joined late).
+    const int64_t lr_step = spec_.schedule == Schedule::kAsync ? int64_t(held_step_) - 1 : -1;
+    // Staleness-aware (PipeMare): divided by 1 + the mean number of this peer's steps between a
+    // sample's forward and this step, as measured on the affinity cache.
+    const double lr_factor = spec_.schedule == Schedule::kAsync ? 1.0 / (1.0 + double(stale_samples_) / double(accum_samples_)) : 1.0;
+    before_weights_change();
+    const double norm = optim_->step(accum_samples_, scale, lr_step, lr_factor);
+    stale_samples_ = 0;
     log_debug("stage", "inner step " + std::to_string(optim_->steps_taken()) + " on " + std::to_string(accum_samples_) +
                            " samples, gradient norm " + std::to_string(norm));
     accum_samples_ = 0;
+    stale_samples_ = 0;
     stats_.steps++;
     return false;
   }
@@ -679,9 +755,11 @@ struct Worker::Impl {
     if (b.what == msg::RoundWhat::kGrad) {
       const std::vector<float> g = whole(theta_g_.size());
       set_grads(g);
+      before_weights_change();
       if (b.samples > 0) optim_->step(b.samples);
       optim_->zero_grad();
       accum_samples_ = 0;
+      stale_samples_ = 0;
       stats_.steps++;
       theta_g_ = flatten();
     } else {
@@ -698,6 +776,7 @@ struct Worker::Impl {
         theta[i] = theta_g_[i] + progress;
       }
       if (sent != sent_.end()) sent_.erase(sent);
+      before_weights_change();
       load_flat(theta);
       if (subspace_) subspace_->project_params(model_->named_parameters());
     }
@@ -803,14 +882,17 @@ struct Worker::Impl {
       prec_.restore({b.loss_scale, b.loss_scale_good_steps});
       publish_scale();
       load_optimizer_flat(am, av, *b.adam_step);
+      before_weights_change();
       load_flat(theta);
     } else {
+      before_weights_change();
       load_flat(tg);
     }
     theta_g_ = std::move(tg);
     momentum_ = std::move(m);
     sent_.clear();
     accum_samples_ = 0;
+    stale_samples_ = 0;
     optim_->zero_grad();
     prec_.drop_pending();  // an overflow in the dropped gradients no longer matters
     msg::RoundDone r;
@@ -863,9 +945,13 @@ struct Worker::Impl {
   StagePrecision prec_;
   std::vector<float> theta_g_, momentum_;  // the group's global weights and outer momentum (fp32, CPU)
   int64_t accum_samples_ = 0;              // samples in the gradients since the last inner step
+  int held_step_ = 0;                      // the latest job step (1-based) whose microbatches this peer ran a backward of
   std::map<int, std::vector<float>> sent_;  // local weights of a fragment when its delta left
   std::unique_ptr<compression::ErrorFeedback> outer_ef_ = std::make_unique<compression::ErrorFeedback>();  // what a lossy outer codec has not sent yet
   std::list<CacheEntry> cache_;
+  int64_t stale_samples_ = 0;  // sum over the held samples of the steps between their forward and now
+  uint64_t version_ = 0;                              // counts this peer's in-place weight changes
+  std::map<uint64_t, std::vector<float>> stashes_;    // weights of earlier versions the cache's graphs ran on (flat fp32)
 };
 
 Worker::Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults, const DeviceCaps& caps)

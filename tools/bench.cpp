@@ -36,14 +36,14 @@
 #include "runtime/http.h"
 #include "runtime/job_spec.h"
 #include "stages/reference.h"
+#include "tools/bench_common.h"
 #include "tools/local_swarm.h"
 
 namespace swarm {
 
 using nlohmann::json;
 
-namespace {
-
+// Shared with the other bench files (tools/bench_common.h).
 std::string temp_dir(const char* what) {
   std::string tmpl = std::string("/tmp/swarm-bench-") + what + "-XXXXXX";
   std::vector<char> buf(tmpl.begin(), tmpl.end());
@@ -55,6 +55,46 @@ void emit(bool as_json, const json& line, const std::string& text) {
   if (as_json) std::cout << line.dump() << std::endl;
   else std::cout << text << std::endl;
 }
+
+// The bundled example's job spec, as JSON to adjust.
+json example_job() {
+  const std::string path = std::string(SWARM_SOURCE_DIR) + "/examples/tiny_gpt/job.json";
+  std::ifstream f(path);
+  if (!f) throw std::runtime_error("cannot read " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return json::parse(ss.str());
+}
+
+// Tokens/s of the training steps (the final round and evaluation excluded).
+double train_tokens_per_s(const json& st) {
+  double tps = 0;
+  for (const auto& h : st["history"])
+    if (h.contains("train_loss")) tps = h.value("tokens_per_s", 0.0);
+  return tps;
+}
+
+json run_swarm(const JobSpec& spec, int threads, const char* what, int peers_per_stage, const std::string& resume, const ChaosPlan* chaos) {
+  LocalSwarm swarm(temp_dir(what));
+  swarm.start_router();
+  for (int s = 0; s < spec.partition.stages; ++s)
+    for (int i = 0; i < peers_per_stage; ++i) swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads);
+  Client c(swarm.router_endpoint());
+  json body{{"spec", to_json(spec)}};
+  if (!resume.empty()) body["resume"] = resume;
+  json rep = c.request_body(wire::MsgType::kSubmit, body);
+  if (chaos) swarm.run_chaos(*chaos);
+  FollowOptions fo;
+  fo.quiet = true;
+  fo.timeout_s = 900;
+  json st = follow_job(c, rep.at("job_id").get<uint64_t>(), fo);
+  if (chaos) st["chaos_actions"] = swarm.chaos_log().size();
+  swarm.stop_all();
+  if (st.value("state", std::string()) != "done") throw std::runtime_error(std::string(what) + " swarm failed: " + st.value("reason", std::string()));
+  return st;
+}
+
+namespace {
 
 // Bytes/s of `count` messages of `bytes` through a bare PUSH/PULL pair on loopback TCP.
 double bare_zmq(int64_t bytes, int64_t count) {
@@ -237,51 +277,15 @@ int bench_transport(bool as_json) {
   return 0;
 }
 
-// The bundled example's job spec, as JSON to adjust.
-json example_job() {
-  const std::string path = std::string(SWARM_SOURCE_DIR) + "/examples/tiny_gpt/job.json";
-  std::ifstream f(path);
-  if (!f) throw std::runtime_error("cannot read " + path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return json::parse(ss.str());
-}
-
 JobSpec pipeline_spec(int stages) {
   json j = example_job();
   j["steps"] = 30;
   j["partition"] = {{"stages", stages}};
   j["diloco"]["inner_steps"] = 1000;  // no round inside the measured window
+  j["diloco"]["warm_start_steps"] = 0;  // nor a flush at every step
   j["eval"] = {{"every_steps", 0}, {"batches", 2}};
   j["schedule"] = "async";
   return parse_job_spec(j, true);
-}
-
-// Tokens/s of the training steps (the final round and evaluation excluded).
-double train_tokens_per_s(const json& st) {
-  double tps = 0;
-  for (const auto& h : st["history"])
-    if (h.contains("train_loss")) tps = h.value("tokens_per_s", 0.0);
-  return tps;
-}
-
-// resume: a checkpoint (step-N directory) the job continues from, as `swarm submit --resume`.
-json run_swarm(const JobSpec& spec, int threads, const char* what, int peers_per_stage = 1, const std::string& resume = "") {
-  LocalSwarm swarm(temp_dir(what));
-  swarm.start_router();
-  for (int s = 0; s < spec.partition.stages; ++s)
-    for (int i = 0; i < peers_per_stage; ++i) swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads);
-  Client c(swarm.router_endpoint());
-  json body{{"spec", to_json(spec)}};
-  if (!resume.empty()) body["resume"] = resume;
-  json rep = c.request_body(wire::MsgType::kSubmit, body);
-  FollowOptions fo;
-  fo.quiet = true;
-  fo.timeout_s = 900;
-  json st = follow_job(c, rep.at("job_id").get<uint64_t>(), fo);
-  swarm.stop_all();
-  if (st.value("state", std::string()) != "done") throw std::runtime_error(std::string(what) + " swarm failed: " + st.value("reason", std::string()));
-  return st;
 }
 
 int bench_pipeline(bool as_json) {
@@ -347,6 +351,8 @@ int bench_compression(bool as_json) {
   json raw = json::object();
   for (const Case& cs : cases) {
     json j = cs.job;
+    j["schedule"] = "sync";                // the codecs' cost alone: exact training otherwise
+    j["diloco"]["warm_start_steps"] = 0;   // as first measured (docs/compression.md)
     j["compression"]["activations"] = cs.codec;
     j["compression"]["gradients"] = cs.codec;
     JobSpec spec = parse_job_spec(j, true);
@@ -406,6 +412,7 @@ int bench_diloco(bool as_json) {
     j["steps"] = steps;
     j["schedule"] = "sync";
     j["diloco"]["sync"] = cs.sync;
+    j["diloco"]["warm_start_steps"] = 0;  // "scratch" is from a cold start; "warm" resumes from one
     j["diloco"]["inner_steps"] = cs.H;
     j["diloco"]["streaming"] = {{"fragments", cs.F}, {"overlap_steps", cs.overlap}};
     j["compression"]["outer"] = cs.codec;
@@ -485,6 +492,7 @@ json run_hetero(Client& c, const char* name, const std::string& mode, bool rebal
   j["schedule"] = "async";
   j["max_inflight"] = 24;
   j["diloco"]["inner_steps"] = 100000;  // no round (a barrier) inside the window
+  j["diloco"]["warm_start_steps"] = 0;     // nor a flush at every step
   j["eval"] = {{"every_steps", 0}, {"batches", 1}};
   j["routing"] = {{"mode", mode}, {"rebalance", rebalance}, {"rebalance_period_s", kHeteroPeriodS},
                   {"cooldown_s", kHeteroCooldownS}, {"min_gain", 0.1}};
@@ -775,9 +783,10 @@ int run_bench(const std::string& name, bool as_json) {
   if (name == "faults") return bench_faults(as_json);
   if (name == "hetero") return bench_hetero(as_json);
   if (name == "hosts") return run_hosts_bench(as_json);
+  if (name == "quality") return bench_quality(as_json);
   if (name == "gpu") return run_gpu_bench(as_json);
   if (name == "sim") return run_sim_bench(as_json);
-  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero, hosts, sim, gpu" << std::endl;
+  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero, hosts, quality, sim, gpu" << std::endl;
   return 2;
 }
 

@@ -82,14 +82,14 @@ JobSpec bench_spec(Precision precision) {
   j["name"] = "bench_gpu";
   j["data"] = {{"format", "text"}, {"path", write_text()}, {"val_fraction", 0.1}};
   j["steps"] = kSteps;
-  j["schedule"] = "async";  // one peer steps after each 32 samples: the reference's training, no STEP round trips
+  j["schedule"] = "async";  // one peer steps once per job step of 32 samples: the reference's training, no STEP round trips
   j["max_inflight"] = 4;
   j["model"] = {{"vocab_size", 256}, {"d_model", 1024}, {"n_head", 16}, {"n_layer", 12}, {"seq_len", 1024},
                 {"precision", precision_name(precision)}};
   j["partition"] = {{"stages", 1}};
   j["batch"] = {{"batch_size", 32}, {"microbatch_size", 8}};
   j["compression"] = {{"activations", "fp32"}, {"gradients", "fp32"}, {"outer", "fp32"}};
-  j["diloco"] = {{"inner_steps", 100000}};
+  j["diloco"] = {{"inner_steps", 100000}, {"warm_start_steps", 0}};  // no round, no flush at every step
   j["eval"] = {{"every_steps", 0}, {"batches", 1}};
   j.erase("checkpoint");
   return parse_job_spec(j, true);

@@ -57,7 +57,8 @@ inline json tiny_job(const std::string& data, int stages, int steps, const std::
               {"data", {{"format", "text"}, {"path", data}, {"val_fraction", 0.1}}},
               {"batch", {{"batch_size", 16}, {"microbatch_size", 4}}},
               {"optimizer", {{"lr", 0.01}, {"min_lr", 0.001}, {"warmup_steps", 2}}},
-              {"diloco", {{"inner_steps", 5}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}}},
+              // No warm start: the tests count rounds from the first step.
+              {"diloco", {{"inner_steps", 5}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}, {"warm_start_steps", 0}}},
               {"eval", {{"every_steps", 0}, {"batches", 4}}}};
 }
 

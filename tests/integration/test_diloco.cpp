@@ -51,7 +51,7 @@ TEST(Diloco, OnePeerPerStageWithOuterLrOneIsPlainTraining) {
   json plain = tiny_job(data, 2, 12, "sync");
   plain["diloco"]["inner_steps"] = 1000;
   json rounds = plain;
-  rounds["diloco"] = {{"inner_steps", 3}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}};
+  rounds["diloco"] = {{"inner_steps", 3}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}, {"warm_start_steps", 0}};
   const json a = run_job(temp_dir(), plain, {{0, {}}, {1, {}}});
   const json b = run_job(temp_dir(), rounds, {{0, {}}, {1, {}}});
   ASSERT_EQ(a["state"], "done") << a.dump();
@@ -71,7 +71,7 @@ TEST(Diloco, HOneWithInnerSgdIsDataParallelSgd) {
   const std::string data = write_text(dir);
   json spec = tiny_job(data, 1, 10, "sync");
   spec["optimizer"] = {{"name", "sgd"}, {"lr", 0.1}, {"min_lr", 0.1}, {"warmup_steps", 0}, {"weight_decay", 0.0}, {"grad_clip", 0.0}};
-  spec["diloco"] = {{"inner_steps", 1}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}};
+  spec["diloco"] = {{"inner_steps", 1}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}, {"warm_start_steps", 0}};
   std::ofstream(dir + "/job.json") << spec.dump();
   auto [rc, out] = run(kBuild + "/swarm reference " + dir + "/job.json --threads 1 --json");
   ASSERT_EQ(rc, 0) << out;
@@ -98,7 +98,7 @@ TEST(Diloco, StreamingSyncsEveryFragmentOncePerHSteps) {
   const std::string dir = temp_dir();
   const std::string data = write_text(dir);
   json spec = tiny_job(data, 2, 32, "sync");
-  spec["diloco"] = {{"inner_steps", 8}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}, {"streaming", {{"fragments", 4}, {"overlap_steps", 1}}}};
+  spec["diloco"] = {{"inner_steps", 8}, {"outer_lr", 1.0}, {"outer_momentum", 0.0}, {"nesterov", false}, {"warm_start_steps", 0}, {"streaming", {{"fragments", 4}, {"overlap_steps", 1}}}};
   spec["compression"] = {{"outer", "int8:entropy=zstd"}};  // packed on the wire both ways
   const json st = run_job(dir, spec, {{0, {}}, {0, {}}, {1, {}}, {1, {}}});
   ASSERT_EQ(st["state"], "done") << st.dump();
@@ -155,7 +155,7 @@ TEST(Diloco, PeerKilledMidRoundAndANewOneJoiningLeaveTheGroupsEqual) {
   const std::string data = write_text(dir);
   // Long enough for the newcomer to start, load and take part in later rounds.
   json spec = tiny_job(data, 2, 300, "async");
-  spec["diloco"] = {{"inner_steps", 5}};  // the defaults: outer lr 0.7, momentum 0.9, Nesterov
+  spec["diloco"] = {{"inner_steps", 5}, {"warm_start_steps", 0}};  // the defaults: outer lr 0.7, momentum 0.9, Nesterov
   LocalSwarm swarm(dir, kBuild);
   swarm.start_router();
   swarm.start_stage(0, "s0-0", 1);

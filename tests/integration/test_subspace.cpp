@@ -118,7 +118,7 @@ TEST(SubspaceSwarm, LossyRoundsKeepGroupsEqualAndTheConstraintInTheWeights) {
   const std::string data = write_text(dir);
   json spec = subspace_job(data, 2, 20, "subspace:k=8,coef=int8", "subspace:k=8,coef=int8");
   spec["compression"]["outer"] = "int4:block=64";  // lossy: theta_g leaves the set until projected
-  spec["diloco"] = {{"inner_steps", 5}};           // outer lr 0.7, momentum 0.9, Nesterov
+  spec["diloco"] = {{"inner_steps", 5}, {"warm_start_steps", 0}};           // outer lr 0.7, momentum 0.9, Nesterov
   spec["checkpoint"] = {{"dir", dir + "/ckpt"}, {"every_steps", 10}, {"keep", 3}};
   json st;
   {

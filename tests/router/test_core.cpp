@@ -164,7 +164,7 @@ TEST(Core, TheRebalancerWaitsForAnOpenRoundThenMoves) {
   f.join("b0", -1, 1);
   json spec = FakeSwarm::tiny_spec(2, 400);
   spec["schedule"] = "async";
-  spec["diloco"] = {{"inner_steps", 4}, {"deadline_s", 5}, {"streaming", {{"fragments", 1}, {"overlap_steps", 2}}}};
+  spec["diloco"] = {{"inner_steps", 4}, {"deadline_s", 5}, {"warm_start_steps", 0}, {"streaming", {{"fragments", 1}, {"overlap_steps", 2}}}};
   spec["routing"] = {{"rebalance", true}, {"rebalance_period_s", 1}, {"cooldown_s", 0}, {"min_gain", 0.1}};
   const uint64_t job = f.submit(f.client(), spec);
   // Overlapped rounds keep a round open much of the time; a move must never happen while one is.

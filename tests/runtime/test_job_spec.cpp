@@ -99,7 +99,7 @@ TEST(JobSpec, DefaultsFromMinimalSpec) {
   EXPECT_DOUBLE_EQ(s.diloco.outer_momentum, 0.9);
   EXPECT_TRUE(s.diloco.nesterov);
   EXPECT_DOUBLE_EQ(s.diloco.deadline_s, 30.0);
-  EXPECT_EQ(s.diloco.warm_start_steps, 0);
+  EXPECT_EQ(s.diloco.warm_start_steps, 33);  // the derived warm start: a third of the default 100 steps
   EXPECT_EQ(s.compression.activations, "fp32");
   EXPECT_EQ(s.compression.gradients, "fp32");
   EXPECT_EQ(s.compression.outer, "fp32");
@@ -309,6 +309,9 @@ TEST(JobSpec, ScheduleAndFormat) {
   std::string msg = error_of(with(minimal(), "schedule", "pipelined"));
   EXPECT_HAS(msg, "schedule: must be \"async\"");
   EXPECT_HAS(msg, "\"sync\"");
+  EXPECT_HAS(msg, "\"async_local\"");
+  EXPECT_EQ(swarm::parse_job_spec(with(minimal(), "schedule", "async_local"), false).schedule, swarm::Schedule::kAsyncLocal);
+  EXPECT_EQ(swarm::to_json(swarm::parse_job_spec(with(minimal(), "schedule", "async_local"), false))["schedule"], "async_local");
   EXPECT_HAS(msg, "pipelined");
   msg = error_of(with(minimal(), "data.format", "jsonl"));
   EXPECT_HAS(msg, "data.format");
@@ -360,8 +363,11 @@ TEST(JobSpec, DilocoEvalTimeoutRules) {
   EXPECT_HAS(error_of(with(minimal(), "diloco.outer_lr", 0.0)), "diloco.outer_lr");
   EXPECT_HAS(error_of(with(minimal(), "diloco.outer_momentum", 1.0)), "diloco.outer_momentum");
   EXPECT_HAS(error_of(with(minimal(), "diloco.deadline_s", 0.0)), "diloco.deadline_s");
-  EXPECT_HAS(error_of(with(minimal(), "diloco.warm_start_steps", -1)), "diloco.warm_start_steps: must be >= 0");
-  EXPECT_HAS(error_of(with(with(minimal(), "schedule", "async"), "diloco.warm_start_steps", 5)), "needs schedule \"sync\"");
+  EXPECT_HAS(error_of(with(minimal(), "diloco.warm_start_steps", -2)), "diloco.warm_start_steps: must be >= 0");
+  // Every schedule flushes the pipeline during the warm start; "every_step" has no warm start.
+  EXPECT_EQ(swarm::parse_job_spec(with(with(minimal(), "schedule", "async"), "diloco.warm_start_steps", 5), false).diloco.warm_start_steps, 5);
+  EXPECT_EQ(swarm::parse_job_spec(with(with(minimal(), "schedule", "sync"), "diloco.sync", "every_step"), false).diloco.warm_start_steps, 0);
+  EXPECT_EQ(swarm::parse_job_spec(with(minimal(), "diloco.warm_start_steps", 0), false).diloco.warm_start_steps, 0);
   EXPECT_HAS(error_of(with(minimal(), "eval.batches", 0)), "eval.batches: must be at least 1");
   EXPECT_HAS(error_of(with(minimal(), "eval.every_steps", -1)), "eval.every_steps");
   EXPECT_HAS(error_of(with(minimal(), "timeouts.forward_s", 0.0)), "timeouts.forward_s: must be > 0");

@@ -71,6 +71,24 @@ TEST(AdamW, MatchesTorchAdamWWithClippingAndDecay) {
   EXPECT_TRUE(p.requires_grad());
 }
 
+// The async schedule's step: the learning rate of the job's step (lr_step), not of this
+// optimizer's own count, times the staleness factor; bias correction still counts its own steps.
+TEST(AdamW, LrStepAndFactorChooseTheLearningRate) {
+  OptimizerSpec o = adam_spec();
+  o.weight_decay = 0;
+  o.grad_clip = 0;
+  torch::Tensor p = torch::zeros({1}).requires_grad_(true);
+  AdamW opt({{"b", p}}, o, 3);  // lr 0.01 at step 0, 0.005 at step 1
+  p.mutable_grad() = torch::ones({1});
+  opt.step(1, 1.0, /*lr_step=*/1, /*lr_factor=*/0.5);
+  // Adam's first step is lr * sign(g): 0.005 x 0.5.
+  EXPECT_NEAR(p.item<double>(), -0.0025, 1e-7);
+  EXPECT_EQ(opt.steps_taken(), 1);
+  p.mutable_grad() = torch::ones({1});
+  opt.step(1, 1.0, /*lr_step=*/0);  // a constant gradient: the bias-corrected step is lr again
+  EXPECT_NEAR(p.item<double>(), -0.0025 - 0.01, 1e-6);
+}
+
 TEST(AdamW, ParametersWithoutGradientAreUntouched) {
   torch::Tensor p = torch::ones({2, 2}).requires_grad_(true);
   torch::Tensor q = torch::ones({2, 2}).requires_grad_(true);

@@ -36,7 +36,7 @@ nlohmann::json FakeSwarm::tiny_spec(int stages, int steps) {
           {"partition", {{"stages", stages}}},
           {"data", {{"path", ""}}},
           {"batch", {{"batch_size", 4}, {"microbatch_size", 2}}},
-          {"diloco", {{"inner_steps", 2}, {"deadline_s", 5}}},
+          {"diloco", {{"inner_steps", 2}, {"deadline_s", 5}, {"warm_start_steps", 0}}},  // rounds counted from step 0
           {"eval", {{"every_steps", 0}, {"batches", 2}}},
           {"routing", {{"rebalance", false}}}};
 }
