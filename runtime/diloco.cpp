@@ -36,26 +36,24 @@ int fragment_due(int steps_done, int H, int F) {
 }
 
 std::vector<size_t> clip_to_median(std::vector<std::vector<float>>& ds, const std::vector<double>& weights) {
-  std::vector<double> norms(ds.size(), 0.0), counted, comparable;
-  double wmax = 0;
-  for (size_t k = 0; k < ds.size() && k < weights.size(); ++k) wmax = std::max(wmax, weights[k]);
+  // Per unit of weight: a peer that trained more samples has a larger honest Δ, so each bound is
+  // the group's lower median norm per sample times the peer's own (router-counted) samples.
+  std::vector<double> norms(ds.size(), 0.0), per_weight;
   for (size_t k = 0; k < ds.size(); ++k) {
     double s = 0;
     for (float v : ds[k]) s += double(v) * double(v);
     norms[k] = std::sqrt(s);
-    if (k >= weights.size() || !(weights[k] > 0) || !std::isfinite(norms[k])) continue;
-    counted.push_back(norms[k]);
-    // A peer that trained much less this round (it joined late) has a smaller Δ: the median is
-    // taken among peers that did comparable work, when there are two.
-    if (weights[k] >= 0.5 * wmax) comparable.push_back(norms[k]);
+    if (k < weights.size() && weights[k] > 0 && std::isfinite(norms[k]) && norms[k] > 0) per_weight.push_back(norms[k] / weights[k]);
   }
   std::vector<size_t> clipped;
-  if (counted.size() < 2) return clipped;
-  if (comparable.size() >= 2) counted.swap(comparable);
-  std::sort(counted.begin(), counted.end());
-  const double bound = kClipFactor * counted[(counted.size() - 1) / 2];
+  if (per_weight.size() < 2) return clipped;
+  std::sort(per_weight.begin(), per_weight.end());
+  const double median = per_weight[(per_weight.size() - 1) / 2];
   for (size_t k = 0; k < ds.size(); ++k) {
+    const double w = k < weights.size() ? std::max(weights[k], 0.0) : 0.0;
+    const double bound = kClipFactor * median * w;
     if (std::isfinite(norms[k]) && norms[k] <= bound) continue;
+    if (std::isfinite(norms[k]) && w == 0) continue;   // weight 0: it does not enter the mean
     const float scale = std::isfinite(norms[k]) && norms[k] > 0 ? float(bound / norms[k]) : 0.f;
     for (float& v : ds[k]) v = std::isfinite(norms[k]) ? v * scale : 0.f;
     clipped.push_back(k);

@@ -18,9 +18,9 @@ namespace swarm::diloco {
 void accumulate(std::vector<float>& sum, const float* d, size_t n, float w);
 
 // Bounds every contribution of a round (docs/security.md): with two or more contributions of
-// positive weight, one whose L2 norm exceeds kClipFactor times the lower median of their norms
-// (of those with at least half the largest weight, when there are two such) is scaled down to
-// that norm (a non-finite one to zeros). Returns the indices scaled. Honest
+// positive weight, one whose L2 norm exceeds kClipFactor times the group's lower median norm per
+// unit of weight, times its own weight, is scaled down to that bound (a non-finite one to
+// zeros). Returns the indices scaled. Honest
 // peers of a group train on the same data distribution from the same weights, so their norms
 // are within a small factor of each other; a liar's outsized vector moves the mean by at most
 // kClipFactor honest norms.

@@ -1,6 +1,8 @@
 // liar.cpp: implements stages/liar.h.
 #include "stages/liar.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "runtime/messages.h"
@@ -9,12 +11,18 @@ namespace swarm {
 
 namespace {
 
-// Multiplies an fp32-coded tensor's values by `factor` (or sets them to `set` when factor is 0)
-// and seals it again, so that it passes the transport's checksum.
-bool scale(wire::Tensor& t, float factor, float set = 0) {
+// Multiplies an fp32-coded tensor's values by `factor` (or sets them to `set` when factor is 0;
+// with `peak`, scales them so that the largest is `peak`) and seals it again, so that it passes
+// the transport's checksum.
+bool scale(wire::Tensor& t, float factor, float set = 0, float peak = 0) {
   if (t.packed || t.desc.dtype != wire::DType::kF32 || t.desc.codec.codec != compression::Codec::kFp32) return false;
   const size_t n = t.data.size() / sizeof(float);
   auto* v = static_cast<float*>(t.data.data());
+  if (peak > 0) {
+    float m = 0;
+    for (size_t i = 0; i < n; ++i) m = std::max(m, std::abs(v[i]));
+    factor = m > 0 ? peak / m : 1.f;
+  }
   for (size_t i = 0; i < n; ++i) v[i] = factor != 0 ? v[i] * factor : set;
   wire::seal(t);
   return true;
@@ -31,7 +39,7 @@ bool lie_about(wire::Message& m) {
       return true;
     }
     case wire::MsgType::kResult:
-      return !m.tensors.empty() && scale(m.tensors[0], 1e7f);
+      return !m.tensors.empty() && scale(m.tensors[0], 1.f, 0, 1e7f);
     case wire::MsgType::kRoundDelta: {
       msg::RoundDelta d = msg::read<msg::RoundDelta>(m);
       d.samples = int64_t(1e15);

@@ -705,9 +705,11 @@ struct Worker::Impl {
     const size_t n = size_t(bounds[size_t(b.shard) + 1] - bounds[size_t(b.shard)]);
     std::vector<std::vector<float>> ds;
     for (size_t k = 0; k < req.tensors.size(); ++k) ds.push_back(flat_from_wire(req.tensors[k], int(k), n));
-    // No contribution steers the round alone: one larger than diloco::kClipFactor times the
-    // group's (lower) median norm is scaled down to that bound and reported.
-    const std::vector<size_t> clipped = diloco::clip_to_median(ds, b.weights);
+    // No outer gradient steers the round alone: one larger than diloco::kClipFactor times the
+    // group's (lower) median norm is scaled down to that bound and reported. Not the gradient
+    // sums of "grad" rounds: a sum grows with the samples its peer served, which differ.
+    std::vector<size_t> clipped;
+    if (b.what == msg::RoundWhat::kDelta) clipped = diloco::clip_to_median(ds, b.weights);
     std::vector<float> sum;
     double total = 0;
     for (size_t k = 0; k < ds.size(); ++k) {

@@ -44,7 +44,9 @@ constexpr double kPollS = 1.0;           // status polls: they cross the router'
 // hub a heartbeat waits behind the tensors queued on the same connection (at 0.5 MiB a hop,
 // 16 in flight and 1 MB/s: seconds, and the default declared live peers dead over and over);
 // both modes run with the same setting.
-const std::vector<std::string> kRouterArgs = {"--heartbeat-ms", "1000", "--liveness", "20"};
+// The client submits from another host, so the router reads data only under --data-root: the
+// bundled example's folder (docs/security.md).
+const std::vector<std::string> kRouterArgs = {"--heartbeat-ms", "1000", "--liveness", "20", "--data-root", "/usr/share/games/fortunes"};
 // The measured window: from the microbatch this share of the run's total completed to this one
 // (start-up, the pipeline filling and draining, and the final round left out).
 constexpr double kWindowFrom = 0.15, kWindowTo = 0.85;

@@ -138,6 +138,12 @@ void LocalSwarm::start_router(const std::vector<std::string>& extra_args, const 
     mkdir(keys_dir_.c_str(), 0700);
     std::ofstream(keys_dir_ + "/authorized") << "# this local swarm's keys: KEY ROLE NAME\n"
                                              << read_public_key(k.admin_pub) << " admin local-admin\n";
+    // What another terminal needs to talk to this swarm: `swarm --key <log_dir>/keys/admin.key
+    // --router-key <log_dir>/keys/router.pub status ...`.
+    std::error_code ec;
+    std::filesystem::copy_file(k.admin_key, keys_dir_ + "/admin.key", std::filesystem::copy_options::overwrite_existing, ec);
+    std::filesystem::copy_file(k.router_pub, keys_dir_ + "/router.pub", std::filesystem::copy_options::overwrite_existing, ec);
+    chmod((keys_dir_ + "/admin.key").c_str(), 0600);
     router_args_.insert(router_args_.end(), {"--key", k.router_key, "--authorized", keys_dir_ + "/authorized"});
   }
   if (!log_format_.empty()) router_args_.insert(router_args_.end(), {"--log-format", log_format_});

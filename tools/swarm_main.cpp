@@ -272,13 +272,16 @@ int main(int argc, char** argv) {
         for (int i = 0; i < peers_per_stage; ++i)
           swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads, stage_args);
       if (as_json) {
-        json started{{"event", "started"}, {"router", swarm.router_endpoint()}, {"stage_servers", n}, {"log_dir", log_dir}};
+        json started{{"event", "started"}, {"router", swarm.router_endpoint()}, {"stage_servers", n}, {"log_dir", log_dir},
+                     {"key", log_dir + "/keys/admin.key"}, {"router_key", log_dir + "/keys/router.pub"}};
         started["dashboard"] = swarm.http_url().empty() ? json(nullptr) : json(swarm.http_url() + "/");
         started["metrics"] = swarm.http_url().empty() ? json(nullptr) : json(swarm.http_url() + "/metrics");
         std::cout << started.dump() << std::endl;
       } else {
         std::cout << "swarm: router at " << swarm.router_endpoint() << ", " << n << " stage servers ("
-                  << spec.partition.stages << " stages x " << peers_per_stage << "), logs in " << log_dir << std::endl;
+                  << spec.partition.stages << " stages x " << peers_per_stage << "), logs in " << log_dir << std::endl
+                  << "swarm: its keys: swarm --key " << log_dir << "/keys/admin.key --router-key " << log_dir
+                  << "/keys/router.pub status --router " << swarm.router_endpoint() << std::endl;
         if (!swarm.http_url().empty())
           std::cout << "swarm: dashboard at " << swarm.http_url() << "/ (Prometheus metrics at " << swarm.http_url() << "/metrics)"
                     << std::endl;

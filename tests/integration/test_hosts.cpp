@@ -281,7 +281,7 @@ HostsRun run_on_hosts(const std::string& hops) {
   Hosts hosts(o);
   auto place = [&](size_t i) { return Place{hosts.exec_prefix(i), hosts.address(i)}; };
   LocalSwarm swarm(dir, kBuild);
-  swarm.start_router({}, place(0));
+  swarm.start_router({"--data-root", dir}, place(0));   // the job comes from another host: data under a root
   EXPECT_EQ(swarm.router_endpoint().rfind("tcp://" + hosts.address(0) + ":", 0), 0u) << swarm.router_endpoint();
   for (int s = 0; s < kStages; ++s)
     for (int k = 0; k < kPeers; ++k) swarm.start_stage(s, "s" + std::to_string(s) + "-" + std::to_string(k), 1, {}, place(size_t(1 + 2 * s + k)));

@@ -251,7 +251,8 @@ TEST(Observability, PrometheusScrapesSwarmLocalAndItsQueryMatchesTheStatus) {
     const http::Response r = http::get("http://127.0.0.1:" + std::to_string(port) + "/api/v1/query?query=" + enc, 2);
     return r.status == 200 ? json::parse(r.body)["data"]["result"] : json::array();
   };
-  auto [src, cli] = run(kBuild + "/swarm status --router " + router + " --json");
+  const std::string keys = " --key " + dir + "/logs/keys/admin.key --router-key " + dir + "/logs/keys/router.pub";
+  auto [src, cli] = run(kBuild + "/swarm" + keys + " status --router " + router + " --json");
   ASSERT_EQ(src, 0) << cli;
   const json st = json::parse(cli);
   ASSERT_EQ(st["state"], "done") << cli;

@@ -77,7 +77,7 @@ TEST(Keys, ARoutingIdIsTheKeysOwn) {
 
 TEST(Clip, AnOutsizedContributionIsScaledToTheBoundAndReported) {
   std::vector<std::vector<float>> ds = {{1, 0}, {0, 1.2f}, {1e6f, 1e6f}};
-  const std::vector<size_t> clipped = diloco::clip_to_median(ds, {1, 1, 1e15});
+  const std::vector<size_t> clipped = diloco::clip_to_median(ds, {1, 1, 1});
   ASSERT_EQ(clipped, std::vector<size_t>{2});
   const double norm = std::hypot(ds[2][0], ds[2][1]);
   EXPECT_NEAR(norm, diloco::kClipFactor * 1.2, 1e-4);   // the lower median of {1, 1.2, 1.4e6} is 1.2
@@ -91,4 +91,7 @@ TEST(Clip, AnOutsizedContributionIsScaledToTheBoundAndReported) {
   EXPECT_EQ(nan[2], (std::vector<float>{0, 0}));
   std::vector<std::vector<float>> one = {{1e9f}};
   EXPECT_TRUE(diloco::clip_to_median(one, {1}).empty());
+  // A fast peer next to one that trained a tenth as much: its larger Δ is honest, not clipped.
+  std::vector<std::vector<float>> uneven = {{10, 0}, {0, 1}};
+  EXPECT_TRUE(diloco::clip_to_median(uneven, {100, 10}).empty());
 }
