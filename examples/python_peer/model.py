@@ -259,6 +259,30 @@ def fragment_range(P, F_, f):
     return (P * f) // F_, (P * (f + 1)) // F_
 
 
+CLIP_FACTOR = 4.0
+
+
+def clip_to_median(deltas, weights):
+    """ROUND_REDUCE "delta", before the mean (docs/security.md): with two or more contributions of
+    positive weight and non-zero norm, scale down any whose L2 norm exceeds 4 x the lower median
+    norm per unit of weight, times its weight. Norms in float64, summed in order; the scale is
+    float32(bound / norm). Returns the clipped deltas and their indices."""
+    norms = [math.sqrt(float(np.cumsum(np.asarray(d, np.float64) ** 2)[-1])) if len(d) else 0.0 for d in deltas]
+    per = sorted(n / w for n, w in zip(norms, weights) if w > 0 and math.isfinite(n) and n > 0)
+    if len(per) < 2:
+        return deltas, []
+    median = per[(len(per) - 1) // 2]
+    out, clipped = [], []
+    for k, (d, n, w) in enumerate(zip(deltas, norms, weights)):
+        bound = CLIP_FACTOR * median * max(w, 0.0)
+        if n <= bound or w == 0:
+            out.append(d)
+            continue
+        out.append(d * np.float32(bound / n))
+        clipped.append(k)
+    return out, clipped
+
+
 def reduce_delta(deltas, weights, mean=True):
     """ROUND_REDUCE: sum(w_i d_i) in fp32 in order, times float32(1 / sum w) ("delta")."""
     s = np.zeros_like(deltas[0], dtype=np.float32)

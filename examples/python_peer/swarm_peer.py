@@ -511,8 +511,14 @@ class Peer:
             ds.append(x)
         if what == "delta" and not sum(weights) > 0:
             raise WireError("malformed", "ROUND_REDUCE weights sum to zero")
+        clipped = []
+        if what == "delta":
+            ds, clipped = M.clip_to_median(ds, weights)
         s = M.reduce_delta(ds, weights, mean=what == "delta")
-        return ROUND_REDUCED, {"round": field(body, "round", "uint"), "stage": self.stage_index}, [f32(s)]
+        reply = {"round": field(body, "round", "uint"), "stage": self.stage_index}
+        if clipped:
+            reply["clipped"] = clipped
+        return ROUND_REDUCED, reply, [f32(s)]
 
     def round_apply(self, body, tensors):
         what, frag, lo, hi, shards, _ = self.round_ids(body)
