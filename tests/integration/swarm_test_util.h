@@ -8,6 +8,7 @@
 
 #include <array>
 #include <chrono>
+#include <functional>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -66,6 +67,24 @@ inline uint64_t submit(Client& c, const json& spec, const std::string& resume = 
   json body{{"spec", spec}};
   if (!resume.empty()) body["resume"] = resume;
   return c.request_body(wire::MsgType::kSubmit, body).at("job_id").get<uint64_t>();
+}
+
+// Polls job `id` every `poll_ms` until it ends (done, failed or cancelled), calling `during` with
+// each status; a job still running after `timeout_s` is a test failure. Returns the last status.
+inline json follow_to_end(Client& c, uint64_t id, double timeout_s, int poll_ms = 100,
+                          const std::function<void(const json&)>& during = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    json st = c.request_body(wire::MsgType::kStatus, json{{"job_id", id}});
+    if (during) during(st);
+    const std::string state = st.value("state", std::string());
+    if (state == "done" || state == "failed" || state == "cancelled") return st;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_s) {
+      ADD_FAILURE() << "job did not finish in " << timeout_s << " s: " << st.dump();
+      return st;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(poll_ms));
+  }
 }
 
 // Waits until the router lists `n` peers.

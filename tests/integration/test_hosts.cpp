@@ -302,8 +302,7 @@ HostsRun run_on_hosts(const std::string& hops) {
   const size_t cut_host = 1 + cut_index;
   std::optional<Clock::time_point> cut_at;
   const auto t0 = Clock::now();
-  for (;;) {
-    json st = c.request_body(wire::MsgType::kStatus, json{{"job_id", id}});
+  out.status = follow_to_end(c, id, 150, 200, [&](const json& st) {
     const int step = st.value("step", 0);
     if (!out.killed && step >= kSteps / 8) {
       swarm.kill_stage(kill_index, SIGKILL);
@@ -321,19 +320,8 @@ HostsRun run_on_hosts(const std::string& hops) {
       if (out.cut && stage1 < kPeers) out.cut_peer_gone = true;
       if (out.restored && out.cut_peer_gone && stage1 == kPeers) out.cut_peer_back = true;
     }
-    const std::string state = st.value("state", std::string());
-    out.seconds = since(t0);
-    if (state == "done" || state == "failed" || state == "cancelled") {
-      out.status = st;
-      break;
-    }
-    if (out.seconds > 150) {
-      ADD_FAILURE() << "job did not finish in 150 s: " << st.dump();
-      out.status = st;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
+  });
+  out.seconds = since(t0);
   if (out.cut && !out.restored) hosts.restore(cut_host);
   for (auto& s : swarm.stages()) out.pids.push_back(s.pid);
   swarm.stop_all();

@@ -16,22 +16,6 @@ using namespace swarm;
 using namespace swarm::testing;
 using nlohmann::json;
 
-namespace {
-
-// Follows a job, calling `during` with each status; returns the final status.
-json follow(Client& c, uint64_t id, const std::function<void(const json&)>& during = {}) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    json st = c.request_body(wire::MsgType::kStatus, json{{"job_id", id}});
-    if (during) during(st);
-    const std::string state = st["state"];
-    if (state == "done" || state == "failed") return st;
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > 240) return st;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-}
-
-}  // namespace
 
 TEST(P2p, TheRouterCarriesNoActivationAndTrainsWhatTheHubTrains) {
   const std::string dir = temp_dir();
@@ -46,8 +30,8 @@ TEST(P2p, TheRouterCarriesNoActivationAndTrainsWhatTheHubTrains) {
     for (int s = 0; s < 3; ++s) swarm.start_stage(s, "s" + std::to_string(s), 1);
     Client c(swarm.router_endpoint());
     wait_for_peers(c, 3);
-    a = follow(c, submit(c, spec));
-    b = follow(c, submit(c, hub));
+    a = follow_to_end(c, submit(c, spec), 240, 50);
+    b = follow_to_end(c, submit(c, hub), 240, 50);
   }
   ASSERT_EQ(a["state"], "done") << a.dump();
   ASSERT_EQ(b["state"], "done") << b.dump();
@@ -74,7 +58,7 @@ TEST(P2p, AHolderKilledMidRunHasItsTensorsMadeAgainAndNothingIsLost) {
       for (int i = 0; i < 2; ++i) swarm.start_stage(s, "s" + std::to_string(s) + "-" + std::to_string(i), 1);
     Client c(swarm.router_endpoint());
     wait_for_peers(c, 6);
-    st = follow(c, submit(c, tiny_job(data, 3, 40, "async")), [&](const json& s) {
+    st = follow_to_end(c, submit(c, tiny_job(data, 3, 40, "async")), 240, 50, [&](const json& s) {
       if (!killed && s.value("step", 0) >= 8) {
         swarm.kill_stage(3, SIGKILL);  // s1-1: it holds activations and gradients in flight
         killed = true;
@@ -103,7 +87,7 @@ TEST(P2p, APeerOthersCannotReachIsRelayedThroughTheRouter) {
     swarm.start_stage(2, "s2b", 1, {"--fetch-timeout-s", "1"});
     Client c(swarm.router_endpoint());
     wait_for_peers(c, 4);
-    st = follow(c, submit(c, tiny_job(data, 3, 10, "sync")));
+    st = follow_to_end(c, submit(c, tiny_job(data, 3, 10, "sync")), 240, 50);
     peers = c.peers()["peers"];
   }
   ASSERT_EQ(st["state"], "done") << st.dump();

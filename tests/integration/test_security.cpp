@@ -243,9 +243,7 @@ TEST(Security, NothingCrossesTheWireInPlaintext) {
       std::this_thread::sleep_for(std::chrono::seconds(2));   // tcpdump is listening
       json spec = tiny_job(data, 2, 6, "sync");
       spec["name"] = "canary-job-name-8c1f";
-      const uint64_t id = submit(c, spec);
-      for (int i = 0; i < 600 && c.request_body(wire::MsgType::kStatus, {{"job_id", id}})["state"] != "done"; ++i)
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      follow_to_end(c, submit(c, spec), 60);
       kill(dump, SIGINT);
       waitpid(dump, nullptr, 0);
       pcap = read_all(dir + "/cap.pcap");
@@ -287,12 +285,7 @@ ByzantineRun run_byzantine(const std::string& dir, const std::string& data, bool
   json spec = tiny_job(data, 2, 240, "sync");
   const uint64_t id = submit(c, spec);
   ByzantineRun r;
-  for (int i = 0; i < 3000; ++i) {
-    r.status = c.request_body(wire::MsgType::kStatus, {{"job_id", id}});
-    const std::string state = r.status["state"];
-    if (state == "done" || state == "failed" || state == "cancelled") break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  r.status = follow_to_end(c, id, 300);
   r.peers = c.peers()["peers"];
   return r;
 }

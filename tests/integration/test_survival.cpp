@@ -60,22 +60,10 @@ SwarmRun run_swarm(const std::string& data, int steps, const std::map<std::strin
   wait_for_peers(c, 4);
   const uint64_t id = submit(c, survival_job(data, steps));
   const auto t0 = Clock::now();
-  for (;;) {
-    json st = c.request_body(wire::MsgType::kStatus, json{{"job_id", id}});
+  out.status = follow_to_end(c, id, 150, 100, [&](const json& st) {
     if (during) during(swarm, c, st);
-    const std::string state = st.value("state", std::string());
-    out.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (state == "done" || state == "failed" || state == "cancelled") {
-      out.status = st;
-      break;
-    }
-    if (out.seconds > 150) {
-      ADD_FAILURE() << "job did not finish in 150 s: " << st.dump();
-      out.status = st;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  });
+  out.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   for (auto& s : swarm.stages()) out.pids.push_back(s.pid);
   return out;
 }
