@@ -232,15 +232,19 @@ void Rounds::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
         st.owners_tried[size_t(j)].insert(p.id);
         return reduce_part(c, pd.stage, j);
       }
-      // Contributions its reducer had to scale down (diloco::clip_to_median): reported, counted.
-      for (int64_t k : r.clipped) {
+      // Contributions its reducer left out (diloco::outliers): reported, counted.
+      for (int64_t k : r.outliers) {
         if (k < 0 || size_t(k) >= st.contributors[size_t(j)].size()) continue;
         const PeerId& who = st.contributors[size_t(j)][size_t(k)];
         const Peer* q = c.peers.find(who);
         const std::string nm = q ? q->hello.name : who;
-        clipped_[nm]++;
-        c.warn("round " + std::to_string(count_) + ": peer " + nm + "'s outer gradient for part " + std::to_string(j) + " of stage " +
-               std::to_string(pd.stage) + " was over " + std::to_string(int(diloco::kClipFactor)) + "x the group's median norm; clipped");
+        outliers_[nm]++;
+        st.left_out.insert(who);
+        const std::string what = "its outer gradient for part " + std::to_string(j) + " of stage " + std::to_string(pd.stage) +
+                                 " in round " + std::to_string(count_) + " was over " + std::to_string(int(diloco::kOutlierFactor)) +
+                                 "x the group's median norm or not finite";
+        c.warn("peer " + nm + ": " + what + "; left out");
+        blames_.emplace_back(who, what);
       }
       Slot mean = Ctx::take_reply_tensor(p.id, pd.id, m, 0);
       if (mean.bytes) {
@@ -354,7 +358,7 @@ void Rounds::reduce_part(Ctx& c, int s, int j) {
   for (const PeerId& id : st.members) {
     auto it = st.deltas.find(id);
     if (it == st.deltas.end() || !it->second[size_t(j)].known()) continue;
-    body.weights.push_back(what_ == msg::RoundWhat::kGrad ? 1.0 : st.weights[id]);
+    body.weights.push_back(st.weights[id]);   // "grad": for the reducer's outlier test only
     c.attach(m, it->second[size_t(j)], uint32_t(st.contributors[size_t(j)].size()));
     st.contributors[size_t(j)].push_back(id);
   }
@@ -378,7 +382,8 @@ void Rounds::apply(Ctx& c, int s) {
   st.waiting.clear();
   for (int j = 0; j < st.shards; ++j) last_owner_[{s, j}] = {st.shards, st.owners[size_t(j)]};
   double samples = 0;
-  for (const auto& [id, w] : st.weights) samples += w;
+  for (const auto& [id, w] : st.weights)
+    if (!st.left_out.count(id)) samples += w;
   msg::RoundApply body;
   static_cast<msg::RoundRef&>(body) = ref(s);
   body.contributors = int32_t(st.deltas.size());
@@ -441,6 +446,12 @@ void Rounds::vote(Ctx& c, int s) {
              std::to_string(count_) + "; resyncing it from a donor");
       resyncs_.emplace_back(id, donor);
     }
+  // A clear majority (two or more, more than any other hash): peers that gathered and applied the
+  // same mean compute the same fp32 loop, so one that disagrees with it lied or broke.
+  int second = 0;
+  for (const auto& [h, n] : votes)
+    if (h != major) second = std::max(second, n);
+  const bool clear = best >= 2 && best > second;
   for (const auto& [id, h] : st.hashes) {
     if (h == major) continue;
     hash_mismatches_++;
@@ -449,6 +460,9 @@ void Rounds::vote(Ctx& c, int s) {
     c.warn("peer " + p->hello.name + " disagrees on stage " + std::to_string(s) + "'s global weights after round " +
            std::to_string(count_) + "; resyncing it from a donor");
     if (!donor.empty()) resyncs_.emplace_back(id, donor);
+    if (clear && !st.unsynced.count(id))
+      blames_.emplace_back(id, "its state hash after round " + std::to_string(count_) + " of stage " + std::to_string(s) +
+                                   " disagreed with " + std::to_string(best) + " peers");
   }
 }
 
@@ -496,7 +510,7 @@ nlohmann::json Rounds::status() const {
   nlohmann::json bytes = nlohmann::json::object();
   for (const auto& [name, b] : last_round_bytes_) bytes[name] = {{"sent", b.sent}, {"received", b.received}};
   return {{"rounds", count_}, {"fragment_syncs", fragment_syncs_}, {"hash_mismatches", hash_mismatches_}, {"state_hashes", hashes},
-          {"outer_peer_bytes", bytes}, {"clipped", clipped_}};
+          {"outer_peer_bytes", bytes}, {"outliers", outliers_}};
 }
 
 }  // namespace swarm::router

@@ -94,11 +94,14 @@ class Rounds {
   bool advance(Ctx& c, bool may_apply);
   // Peers that disagreed in the last vote, each with a donor that holds the majority state.
   std::vector<std::pair<PeerId, PeerId>> take_resyncs() { return std::move(resyncs_); }
+  // Peers the last replies showed lying (an outlier outer gradient, a vote against a clear
+  // majority), each with what it did: the job counts them as integrity failures.
+  std::vector<std::pair<PeerId, std::string>> take_blames() { return std::move(blames_); }
 
   // A request of the round could not fetch tensor `slot` from the peer holding it.
   void on_fetch_failed(Ctx& c, const Pending& pd, int slot);
 
-  nlohmann::json status() const;   // rounds, fragment_syncs, hash_mismatches, state_hashes, outer_peer_bytes, clipped
+  nlohmann::json status() const;   // rounds, fragment_syncs, hash_mismatches, state_hashes, outer_peer_bytes, outliers
   void note_hash(const Peer& p, uint64_t hash);
   void forget(const Peer& p);      // it left: its counts and its last hash go
   // Outer-gradient bytes that crossed a link (deltas, parts, means), through the router or peer
@@ -126,6 +129,7 @@ class Rounds {
     std::vector<Slot> means;                    // [K] the reduced parts
     std::set<int> reducing;                     // parts not reduced yet
     std::set<PeerId> unsynced;                  // could not fetch the means: resynced after the vote
+    std::set<PeerId> left_out;                  // outliers in some part: their samples are not in the apply's count
     std::map<PeerId, uint64_t> hashes;
   };
   int64_t values(int stage) const;              // the fragment's parameter count
@@ -154,11 +158,12 @@ class Rounds {
   std::vector<Stage> stages_;
   std::map<std::pair<int, int>, std::pair<int, PeerId>> last_owner_;   // (stage, part) -> (K, owner)
   std::map<std::string, PeerBytes> round_bytes_, last_round_bytes_;
-  std::map<std::string, uint64_t> clipped_;   // contributions clipped, by peer name
+  std::map<std::string, uint64_t> outliers_;   // contributions left out of a mean, by peer name
   std::vector<uint64_t> fragment_syncs_;
   uint64_t hash_mismatches_ = 0;
   std::vector<std::map<std::string, uint64_t>> state_hashes_;   // per stage: peer name -> last hash
   std::vector<std::pair<PeerId, PeerId>> resyncs_;
+  std::vector<std::pair<PeerId, std::string>> blames_;
 };
 
 }  // namespace swarm::router

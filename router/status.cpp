@@ -76,7 +76,7 @@ nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
                    {"state_hashes", rounds["state_hashes"]},
                    {"hash_mismatches", rounds["hash_mismatches"]},
                    {"outer_peer_bytes", rounds["outer_peer_bytes"]},
-                   {"clipped", rounds["clipped"]},
+                   {"outliers", rounds["outliers"]},
                    {"routing", routing},
                    {"sync_bytes_per_sample", per_sample(rounds_.bytes_outer)},
                    {"microbatches", {{"taken", taken_}, {"completed", completed_}, {"in_flight", in_flight}, {"resent", resent()},

@@ -322,6 +322,7 @@ void TrainingJob::advance(Ctx& c) {
   if (rounds_.open() && phase_ != Phase::kRound) rounds_.advance(c, false);
   for (const auto& [peer, donor] : rounds_.take_resyncs())
     if (Peer* p = c.peers.find(peer)) start_sync(c, *p, donor);
+  for (const auto& [peer, what] : rounds_.take_blames()) integrity_failure(c, peer, what);
 
   switch (phase_) {
     case Phase::kTrain:

@@ -35,30 +35,27 @@ int fragment_due(int steps_done, int H, int F) {
   return -1;
 }
 
-std::vector<size_t> clip_to_median(std::vector<std::vector<float>>& ds, const std::vector<double>& weights) {
-  // Per unit of weight: a peer that trained more samples has a larger honest Δ, so each bound is
-  // the group's lower median norm per sample times the peer's own (router-counted) samples.
-  std::vector<double> norms(ds.size(), 0.0), per_weight;
+std::vector<size_t> outliers(const std::vector<std::vector<float>>& ds, const std::vector<double>& weights, bool grad_sums) {
+  // Δs by their norms, not norms per sample: an inner step divides its gradient sum by the samples
+  // it saw, so a Δ grows with the inner steps taken (the same for the group), not with the samples
+  // served. Per sample, a peer that served few microbatches looked like a liar.
+  std::vector<double> scores(ds.size(), 0.0), positive;
+  std::vector<bool> counted(ds.size(), false);
   for (size_t k = 0; k < ds.size(); ++k) {
     double s = 0;
     for (float v : ds[k]) s += double(v) * double(v);
-    norms[k] = std::sqrt(s);
-    if (k < weights.size() && weights[k] > 0 && std::isfinite(norms[k]) && norms[k] > 0) per_weight.push_back(norms[k] / weights[k]);
+    const double w = k < weights.size() ? weights[k] : 0.0;
+    scores[k] = grad_sums ? std::sqrt(s) / std::sqrt(std::max(w, 1.0)) : std::sqrt(s);
+    counted[k] = grad_sums || w > 0;
+    if (counted[k] && std::isfinite(scores[k]) && scores[k] > 0) positive.push_back(scores[k]);
   }
-  std::vector<size_t> clipped;
-  if (per_weight.size() < 2) return clipped;
-  std::sort(per_weight.begin(), per_weight.end());
-  const double median = per_weight[(per_weight.size() - 1) / 2];
-  for (size_t k = 0; k < ds.size(); ++k) {
-    const double w = k < weights.size() ? std::max(weights[k], 0.0) : 0.0;
-    const double bound = kClipFactor * median * w;
-    if (std::isfinite(norms[k]) && norms[k] <= bound) continue;
-    if (std::isfinite(norms[k]) && w == 0) continue;   // weight 0: it does not enter the mean
-    const float scale = std::isfinite(norms[k]) && norms[k] > 0 ? float(bound / norms[k]) : 0.f;
-    for (float& v : ds[k]) v = std::isfinite(norms[k]) ? v * scale : 0.f;
-    clipped.push_back(k);
-  }
-  return clipped;
+  std::vector<size_t> out;
+  if (ds.size() < 2) return out;
+  std::sort(positive.begin(), positive.end());
+  const double bound = positive.size() >= 2 ? kOutlierFactor * positive[(positive.size() - 1) / 2] : HUGE_VAL;
+  for (size_t k = 0; k < ds.size(); ++k)
+    if (!std::isfinite(scores[k]) || (counted[k] && scores[k] > bound)) out.push_back(k);
+  return out;
 }
 
 }  // namespace swarm::diloco

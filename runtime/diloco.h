@@ -17,15 +17,18 @@ namespace swarm::diloco {
 // sum[i] += w * d[i]. A peer's outer gradient enters the group's mean with its sample count.
 void accumulate(std::vector<float>& sum, const float* d, size_t n, float w);
 
-// Bounds every contribution of a round (docs/security.md): with two or more contributions of
-// positive weight, one whose L2 norm exceeds kClipFactor times the group's lower median norm per
-// unit of weight, times its own weight, is scaled down to that bound (a non-finite one to
-// zeros). Returns the indices scaled. Honest
-// peers of a group train on the same data distribution from the same weights, so their norms
-// are within a small factor of each other; a liar's outsized vector moves the mean by at most
-// kClipFactor honest norms.
-constexpr double kClipFactor = 4.0;
-std::vector<size_t> clip_to_median(std::vector<std::vector<float>>& ds, const std::vector<double>& weights);
+// The contributions a round leaves out (docs/security.md): with two or more contributions, any
+// non-finite one and, where two or more have a positive score, one whose score exceeds
+// kOutlierFactor times their lower median score. Returns their indices. The score of an outer
+// gradient Δ is its L2 norm, counted only at positive weight (weight 0: it is not in the mean):
+// honest peers of a group take the same inner steps from the same weights on the same data, so
+// their norms are within a small factor of each other. The score of a gradient sum (`grad_sums`,
+// weights the samples the router counted) is its norm over sqrt(max(samples, 1)): a sum of n
+// per-sample gradients grows between sqrt(n) (noise) and n (a common direction), so honest scores
+// differ by at most sqrt of the ratio of samples served. A liar's outsized vector does not move
+// the mean at all (scaling it down to the bound instead still let it pull every round its way).
+constexpr double kOutlierFactor = 4.0;
+std::vector<size_t> outliers(const std::vector<std::vector<float>>& ds, const std::vector<double>& weights, bool grad_sums = false);
 
 // m <- mu * m + d; theta_g <- theta_g - lr * (nesterov ? d + mu * m : m). With lr 1 and mu 0
 // that is theta_g <- theta_g - d: for d = theta_g - theta, the plain (weighted) average of the

@@ -314,12 +314,12 @@ struct RoundReduced {
   static constexpr MsgType kType = MsgType::kRoundReduced;
   uint64_t round = 0;
   int32_t stage = -1;
-  std::vector<int64_t> clipped;   // contributions (their index in the ROUND_REDUCE) scaled down to the bound
+  std::vector<int64_t> outliers;   // contributions (their index in the ROUND_REDUCE) left out of the mean
   template <class V>
   void visit(V& v) {
     v.field("round", round, kRequired, kMaxCount);
     v.field("stage", stage, kOptional, -1, kMaxStageIndex);
-    v.field("clipped", clipped, kOptional, size_t(256), int64_t(0), int64_t(255));
+    v.field("outliers", outliers, kOptional, size_t(256), int64_t(0), int64_t(255));
   }
 };
 

@@ -2,6 +2,7 @@
 // compute thread of a stage server.
 #include "stages/worker.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -705,14 +706,14 @@ struct Worker::Impl {
     const size_t n = size_t(bounds[size_t(b.shard) + 1] - bounds[size_t(b.shard)]);
     std::vector<std::vector<float>> ds;
     for (size_t k = 0; k < req.tensors.size(); ++k) ds.push_back(flat_from_wire(req.tensors[k], int(k), n));
-    // No outer gradient steers the round alone: one larger than diloco::kClipFactor times the
-    // group's (lower) median norm is scaled down to that bound and reported. Not the gradient
-    // sums of "grad" rounds: a sum grows with the samples its peer served, which differ.
-    std::vector<size_t> clipped;
-    if (b.what == msg::RoundWhat::kDelta) clipped = diloco::clip_to_median(ds, b.weights);
+    // No contribution steers the round: one over diloco::kOutlierFactor times the group's (lower)
+    // median, or not finite, is left out of the sum and reported. In a "grad" round the weights
+    // are the samples the router counted, for the outlier test only: the sum is plain.
+    const std::vector<size_t> out = diloco::outliers(ds, b.weights, b.what == msg::RoundWhat::kGrad);
     std::vector<float> sum;
     double total = 0;
     for (size_t k = 0; k < ds.size(); ++k) {
+      if (std::find(out.begin(), out.end(), k) != out.end()) continue;
       const bool grad = b.what == msg::RoundWhat::kGrad;
       diloco::accumulate(sum, ds[k].data(), n, grad ? 1.f : float(b.weights[k]));
       total += b.weights[k];
@@ -725,7 +726,7 @@ struct Worker::Impl {
     msg::RoundReduced r;
     r.round = b.round;
     r.stage = stage_;
-    r.clipped.assign(clipped.begin(), clipped.end());
+    r.outliers.assign(out.begin(), out.end());
     Message rep = msg::make(r, req.id, req.attempt);
     std::string key = std::string("mean:") + msg::round_what_name(b.what) + ":" + std::to_string(b.fragment);
     if (b.shards > 1) key += ":" + std::to_string(bounds[size_t(b.shard)]) + "-" + std::to_string(bounds[size_t(b.shard) + 1]);

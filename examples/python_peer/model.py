@@ -259,37 +259,37 @@ def fragment_range(P, F_, f):
     return (P * f) // F_, (P * (f + 1)) // F_
 
 
-CLIP_FACTOR = 4.0
+OUTLIER_FACTOR = 4.0
 
 
-def clip_to_median(deltas, weights):
-    """ROUND_REDUCE "delta", before the mean (docs/security.md): with two or more contributions of
-    positive weight and non-zero norm, scale down any whose L2 norm exceeds 4 x the lower median
-    norm per unit of weight, times its weight. Norms in float64, summed in order; the scale is
-    float32(bound / norm). Returns the clipped deltas and their indices."""
+def outliers(deltas, weights, grad_sums=False):
+    """ROUND_REDUCE, before the sum (docs/security.md): with two or more contributions, the indices
+    of any whose score is not finite and, where two or more have a positive score, of those whose
+    score exceeds 4 x the lower median score; they are left out. A Δ's score ("delta") is its L2
+    norm and counts only at positive weight; a gradient sum's ("grad", weights the router-counted
+    samples) is its norm / sqrt(max(w, 1)) at any weight. Norms in float64, summed in order."""
     norms = [math.sqrt(float(np.cumsum(np.asarray(d, np.float64) ** 2)[-1])) if len(d) else 0.0 for d in deltas]
-    per = sorted(n / w for n, w in zip(norms, weights) if w > 0 and math.isfinite(n) and n > 0)
-    if len(per) < 2:
-        return deltas, []
-    median = per[(len(per) - 1) // 2]
-    out, clipped = [], []
-    for k, (d, n, w) in enumerate(zip(deltas, norms, weights)):
-        bound = CLIP_FACTOR * median * max(w, 0.0)
-        if n <= bound or w == 0:
-            out.append(d)
-            continue
-        out.append(d * np.float32(bound / n))
-        clipped.append(k)
-    return out, clipped
+    if len(deltas) < 2:
+        return []
+    scores = [n / math.sqrt(max(w, 1.0)) if grad_sums else n for n, w in zip(norms, weights)]
+    counted = [grad_sums or w > 0 for w in weights]
+    per = sorted(x for x, c in zip(scores, counted) if c and math.isfinite(x) and x > 0)
+    bound = OUTLIER_FACTOR * per[(len(per) - 1) // 2] if len(per) >= 2 else math.inf
+    return [k for k, (x, c) in enumerate(zip(scores, counted)) if not math.isfinite(x) or (c and x > bound)]
 
 
-def reduce_delta(deltas, weights, mean=True):
-    """ROUND_REDUCE: sum(w_i d_i) in fp32 in order, times float32(1 / sum w) ("delta")."""
+def reduce_delta(deltas, weights, mean=True, left_out=()):
+    """ROUND_REDUCE: sum(w_i d_i) in fp32 in order, times float32(1 / sum w) ("delta"), over the
+    contributions not in left_out."""
     s = np.zeros_like(deltas[0], dtype=np.float32)
-    for d, w in zip(deltas, weights):
+    total = 0.0
+    for k, (d, w) in enumerate(zip(deltas, weights)):
+        if k in left_out:
+            continue
         s += (np.float32(w) if mean else np.float32(1.0)) * d
+        total += w
     if mean:
-        s *= np.float32(1.0 / sum(weights))
+        s *= np.float32(1.0 / total)
     return s
 
 

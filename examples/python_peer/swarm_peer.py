@@ -511,13 +511,11 @@ class Peer:
             ds.append(x)
         if what == "delta" and not sum(weights) > 0:
             raise WireError("malformed", "ROUND_REDUCE weights sum to zero")
-        clipped = []
-        if what == "delta":
-            ds, clipped = M.clip_to_median(ds, weights)
-        s = M.reduce_delta(ds, weights, mean=what == "delta")
+        left_out = M.outliers(ds, weights, grad_sums=what == "grad")
+        s = M.reduce_delta(ds, weights, mean=what == "delta", left_out=left_out)
         reply = {"round": field(body, "round", "uint"), "stage": self.stage_index}
-        if clipped:
-            reply["clipped"] = clipped
+        if left_out:
+            reply["outliers"] = left_out
         return ROUND_REDUCED, reply, [f32(s)]
 
     def round_apply(self, body, tensors):

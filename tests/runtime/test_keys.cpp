@@ -75,23 +75,25 @@ TEST(Keys, ARoutingIdIsTheKeysOwn) {
   EXPECT_EQ(routing_id_of(a.public_key).rfind("k-", 0), 0u);
 }
 
-TEST(Clip, AnOutsizedContributionIsScaledToTheBoundAndReported) {
-  std::vector<std::vector<float>> ds = {{1, 0}, {0, 1.2f}, {1e6f, 1e6f}};
-  const std::vector<size_t> clipped = diloco::clip_to_median(ds, {1, 1, 1});
-  ASSERT_EQ(clipped, std::vector<size_t>{2});
-  const double norm = std::hypot(ds[2][0], ds[2][1]);
-  EXPECT_NEAR(norm, diloco::kClipFactor * 1.2, 1e-4);   // the lower median of {1, 1.2, 1.4e6} is 1.2
-  EXPECT_EQ(ds[0], (std::vector<float>{1, 0}));          // honest ones untouched
+TEST(Outliers, AnOutsizedOrNonFiniteContributionIsLeftOutAndReported) {
+  // The lower median of {1, 1.2, 1.4e6} is 1.2: 1.4e6 is over 4 x 1.2.
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1.2f}, {1e6f, 1e6f}}, {1, 1, 1}), std::vector<size_t>{2});
+  EXPECT_TRUE(diloco::outliers({{1, 0}, {0, 1.2f}, {3, 3}}, {1, 1, 1}).empty());   // 4.24 < 4.8: kept
   // Two peers: the lower median is the smaller norm, so the larger one cannot run away.
-  std::vector<std::vector<float>> two = {{1, 0}, {0, 100}};
-  EXPECT_EQ(diloco::clip_to_median(two, {1, 1}), std::vector<size_t>{1});
-  // Non-finite values become zeros; a lone contribution is never clipped (one peer: exact).
-  std::vector<std::vector<float>> nan = {{1, 0}, {0, 1}, {NAN, 0}};
-  EXPECT_EQ(diloco::clip_to_median(nan, {1, 1, 1}), std::vector<size_t>{2});
-  EXPECT_EQ(nan[2], (std::vector<float>{0, 0}));
-  std::vector<std::vector<float>> one = {{1e9f}};
-  EXPECT_TRUE(diloco::clip_to_median(one, {1}).empty());
-  // A fast peer next to one that trained a tenth as much: its larger Δ is honest, not clipped.
-  std::vector<std::vector<float>> uneven = {{10, 0}, {0, 1}};
-  EXPECT_TRUE(diloco::clip_to_median(uneven, {100, 10}).empty());
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 100}}, {1, 1}), std::vector<size_t>{1});
+  // Non-finite ones always go; a lone contribution never does (one peer: exact).
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {NAN, 0}}, {1, 1, 1}), std::vector<size_t>{2});
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {INFINITY, 0}}, {1, 1, 0}), std::vector<size_t>{2});
+  EXPECT_TRUE(diloco::outliers({{1e9f}}, {1}).empty());
+  // Norms, not norms per sample: a peer that served a tenth of the samples in the same inner steps
+  // has a Δ of the same size, and is not left out; weight 0 (no inner step) is never an outlier.
+  EXPECT_TRUE(diloco::outliers({{3, 0}, {0, 1}}, {100, 10}).empty());
+  EXPECT_EQ(diloco::outliers({{3, 0}, {0, 1}, {0, 1e3f}}, {100, 10, 100}), std::vector<size_t>{2});
+  EXPECT_TRUE(diloco::outliers({{3, 0}, {0, 1}, {0, 1e3f}}, {100, 10, 0}).empty());
+  // Gradient sums by norm / sqrt(samples): 16 samples with a sum 4x as long as 1 sample's is
+  // honest (scores 1 and 1), a sum 10^6 x as long is not, whatever the samples it claims.
+  EXPECT_TRUE(diloco::outliers({{1, 0}, {0, 4}}, {1, 16}, true).empty());
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 4}, {1e6f, 0}}, {1, 16, 16}, true), std::vector<size_t>{2});
+  // At weight 0 a sum counts as one sample: an honest peer with nothing served sends zeros.
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {0, 0}, {0, 50}}, {1, 1, 0, 0}, true), std::vector<size_t>{3});
 }
