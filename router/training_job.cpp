@@ -3,6 +3,7 @@
 #include "router/training_job.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 namespace swarm::router {
@@ -310,6 +311,23 @@ void TrainingJob::advance(Ctx& c) {
         reason_ = short_of.empty() ? "waiting for peers: stage(s) " + empty + " have no ready peer" : "waiting for memory: " + short_of[0].reason;
       }
       return;
+    }
+    // routing.start_peers: the first step waits, at most start_wait_s, for that many ready peers
+    // in every stage, so that the first microbatches are not all served by the fastest loader.
+    if (startable_s_ < 0) startable_s_ = c.now;
+    if (spec_.routing.start_peers > 1 && c.now < startable_s_ + spec_.routing.start_wait_s) {
+      std::string short_of;
+      for (int s = 0; s < S_ && short_of.empty(); ++s) {
+        const size_t n = c.peers.stage_peers(id_, s, c.now).size();
+        if (n < size_t(spec_.routing.start_peers))
+          short_of = "stage " + std::to_string(s) + " has " + std::to_string(n) + " of " + std::to_string(spec_.routing.start_peers);
+      }
+      if (!short_of.empty()) {
+        char until[32];
+        std::snprintf(until, sizeof(until), "%.0f", startable_s_ + spec_.routing.start_wait_s - c.now);
+        reason_ = "waiting for peers (routing.start_peers): " + short_of + " ready peers; starting anyway in " + until + " s";
+        return;
+      }
     }
     state_ = JobState::kRunning;
     run_started_s_ = c.now;

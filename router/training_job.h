@@ -99,6 +99,7 @@ class TrainingJob : public Job {
   std::vector<int64_t> stage_params_;
   std::vector<double> stage_cost_;      // stage_costs_from_params(stage_params_), computed once
   std::string waiting_key_;             // the empty stages and peer count the waiting reason was made for
+  double startable_s_ = -1;             // when every stage first had a ready peer (routing.start_peers)
   std::vector<StageNeed> stage_need_;   // what each stage takes in memory (router/placement.h)
   uint64_t total_mbs_ = 0;
   Phase phase_ = Phase::kTrain;

@@ -139,6 +139,8 @@ struct RoutingSpec {
   double rebalance_period_s = 180;  // mean period (randomised +-25%)
   double min_gain = 0.10;      // a move must raise the minimum stage throughput by this fraction
   double cooldown_s = 300;     // no move of the same peer, and no move at all, within this
+  int start_peers = 1;         // ready peers per stage the first step waits for ...
+  double start_wait_s = 60;    // ... at most this long after the job could have started
 };
 
 struct JobSpec {

@@ -155,6 +155,37 @@ TEST(Core, AStageLosingItsLastPeerPausesAndResumesWhenOneJoins) {
   (void)a;
 }
 
+TEST(Core, TheFirstStepWaitsForStartPeersThenStartsWithWhatItHas) {
+  FakeSwarm f;
+  f.join("a0", 0);
+  f.join("b0", 1);
+  json spec = FakeSwarm::tiny_spec(2, 4);
+  spec["routing"]["start_peers"] = 2;
+  spec["routing"]["start_wait_s"] = 3;
+  const uint64_t job = f.submit(f.client(), spec);
+  ASSERT_TRUE(f.run(1, [&] { return f.status(job)["reason"].get<std::string>().find("start_peers") != std::string::npos; }));
+  EXPECT_EQ(f.status(job)["state"], "loading");
+  EXPECT_NE(f.status(job)["reason"].get<std::string>().find("stage 0 has 1 of 2 ready peers"), std::string::npos)
+      << f.status(job)["reason"];
+  f.join("a1", 0);
+  ASSERT_TRUE(f.run(1, [&] { return f.status(job)["reason"].get<std::string>().find("stage 1 has 1 of 2") != std::string::npos; }));
+  f.run(1);
+  EXPECT_EQ(f.status(job)["state"], "loading");   // still waiting for stage 1's second peer
+  // The wait ends: it starts with the peers it has, and finishes.
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  EXPECT_EQ(f.status(job)["microbatches"]["lost"], 0);
+}
+
+TEST(Core, TheFirstStepStartsAsSoonAsEveryStageHasStartPeers) {
+  FakeSwarm f;
+  two_by_two(f);
+  json spec = FakeSwarm::tiny_spec(2, 4);
+  spec["routing"]["start_peers"] = 2;
+  spec["routing"]["start_wait_s"] = 1000;
+  const uint64_t job = f.submit(f.client(), spec);
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));   // far sooner than the wait
+}
+
 TEST(Core, TheRebalancerWaitsForAnOpenRoundThenMoves) {
   FakeSwarm f;
   // Stage 0 has three peers, stage 1 one emulated slow one: the bottleneck.

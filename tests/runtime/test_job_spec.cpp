@@ -373,6 +373,9 @@ TEST(JobSpec, DilocoEvalTimeoutRules) {
   EXPECT_HAS(error_of(with(minimal(), "timeouts.forward_s", 0.0)), "timeouts.forward_s: must be > 0");
   EXPECT_HAS(error_of(with(minimal(), "timeouts.backward_s", -2.0)), "timeouts.backward_s: must be > 0");
   EXPECT_HAS(error_of(with(minimal(), "timeouts.max_attempts", 0)), "timeouts.max_attempts: must be at least 1");
+  EXPECT_HAS(error_of(with(minimal(), "routing.start_peers", 0)), "routing.start_peers: must be 1 to 4096");
+  EXPECT_HAS(error_of(with(minimal(), "routing.start_wait_s", -1.0)), "routing.start_wait_s: must be 0 to 86400");
+  EXPECT_EQ(swarm::parse_job_spec(with(minimal(), "routing.start_peers", 3), false).routing.start_peers, 3);
 }
 
 TEST(JobSpec, CompressionNamesNonEmptyStrings) {
