@@ -45,8 +45,8 @@ double rate(const std::vector<Sample>& s, double t0, double t1) {
 
 }  // namespace
 
-// Real compute of the slow peers is padded 8x and of the fast ones 2x (4:1), so the whole swarm
-// needs under 2 cores even after rebalancing: on a 2-core machine a CPU-bound swarm could not
+// Real compute of the slow peers is padded 16x and of the fast ones 4x (4:1), so the whole swarm
+// needs under one core even after rebalancing: on a 2-core machine a CPU-bound swarm could not
 // get faster by moving peers. The measured numbers are printed for the log.
 TEST(Hetero, RebalancerFixesAMisassignedSwarm) {
   const std::string dir = temp_dir();
@@ -65,10 +65,10 @@ TEST(Hetero, RebalancerFixesAMisassignedSwarm) {
 
   LocalSwarm swarm(dir, kBuild);
   swarm.start_router();
-  for (int i = 0; i < 2; ++i) swarm.start_stage(-1, "fast" + std::to_string(i), 1, {"--prefer-stage", "0", "--emulate", "2"});
+  for (int i = 0; i < 2; ++i) swarm.start_stage(-1, "fast" + std::to_string(i), 1, {"--prefer-stage", "0", "--emulate", "4"});
   for (int s = 1; s < 4; ++s)
     for (int i = 0; i < 2; ++i)
-      swarm.start_stage(-1, "slow" + std::to_string(s) + std::to_string(i), 1, {"--prefer-stage", std::to_string(s), "--emulate", "8"});
+      swarm.start_stage(-1, "slow" + std::to_string(s) + std::to_string(i), 1, {"--prefer-stage", std::to_string(s), "--emulate", "16"});
   Client c(swarm.router_endpoint());
   wait_for_peers(c, 8);
   const uint64_t job = submit(c, spec);
