@@ -35,6 +35,7 @@
 #include "runtime/data.h"
 #include "runtime/http.h"
 #include "runtime/job_spec.h"
+#include "runtime/keys.h"
 #include "stages/reference.h"
 #include "tools/bench_common.h"
 #include "tools/local_swarm.h"
@@ -96,10 +97,13 @@ json run_swarm(const JobSpec& spec, int threads, const char* what, int peers_per
 
 namespace {
 
-// Bytes/s of `count` messages of `bytes` through a bare PUSH/PULL pair on loopback TCP.
-double bare_zmq(int64_t bytes, int64_t count) {
+// Bytes/s of `count` messages of `bytes` through a bare PUSH/PULL pair on loopback TCP;
+// `secure`: the pair speaks CURVE (runtime/keys.h), as every swarm connection does with keys.
+double bare_zmq(int64_t bytes, int64_t count, bool secure = false) {
+  const KeyPair server = generate_keypair(), client = generate_keypair();
   zmq::context_t ctx(1);
   zmq::socket_t pull(ctx, zmq::socket_type::pull);
+  if (secure) curve_server(pull, server, "bench");   // no ZAP handler in this context: any client key
   pull.bind("tcp://127.0.0.1:*");
   const std::string ep = pull.get(zmq::sockopt::last_endpoint);
   std::vector<char> payload(size_t(bytes), 0x3c);
@@ -107,6 +111,7 @@ double bare_zmq(int64_t bytes, int64_t count) {
     zmq::context_t c2(1);
     zmq::socket_t push(c2, zmq::socket_type::push);
     push.set(zmq::sockopt::linger, -1);
+    if (secure) curve_client(push, client, server.public_key);
     push.connect(ep);
     for (int64_t i = 0; i < count; ++i) push.send(zmq::message_t(payload.data(), payload.size()), zmq::send_flags::none);
     push.close();
@@ -264,13 +269,19 @@ int bench_transport(bool as_json) {
     start_echo_swarm(curve, true);
     const double curve_bps = through_router(curve, 4 << 20, 400, 8);
     curve.stop_all();
-    raw["curve_4m"] = {{"bytes", 4 << 20}, {"count", 400}, {"inflight", 8}, {"curve_bytes_per_s", curve_bps}, {"plain_bytes_per_s", plain_bps}};
+    // What CURVE costs ZeroMQ itself, without swarm: the bare pair with and without it.
+    const double zmq_plain_bps = bare_zmq(4 << 20, 400), zmq_curve_bps = bare_zmq(4 << 20, 400, true);
+    raw["curve_4m"] = {{"bytes", 4 << 20}, {"count", 400}, {"inflight", 8}, {"curve_bytes_per_s", curve_bps}, {"plain_bytes_per_s", plain_bps},
+                       {"zmq_curve_bytes_per_s", zmq_curve_bps}, {"zmq_plain_bytes_per_s", zmq_plain_bps}};
     figures["curve_4m_vs_plain"] = {{"value", curve_bps / plain_bps}, {"target", ">= 0.6"}};
-    char text[256];
-    std::snprintf(text, sizeof(text), "4m payloads with CURVE: %.1f MB/s, without %.1f MB/s, ratio %.3f", curve_bps / 1e6, plain_bps / 1e6,
-                  curve_bps / plain_bps);
+    figures["zmq_curve_4m_vs_plain"] = {{"value", zmq_curve_bps / zmq_plain_bps}, {"target", "report"}};
+    char text[320];
+    std::snprintf(text, sizeof(text),
+                  "4m payloads with CURVE: %.1f MB/s, without %.1f MB/s, ratio %.3f; bare zmq push/pull with CURVE %.1f MB/s, without %.1f MB/s, ratio %.3f",
+                  curve_bps / 1e6, plain_bps / 1e6, curve_bps / plain_bps, zmq_curve_bps / 1e6, zmq_plain_bps / 1e6, zmq_curve_bps / zmq_plain_bps);
     emit(as_json, json{{"bench", "transport"}, {"case", "curve_4m"}, {"curve_bytes_per_s", curve_bps}, {"plain_bytes_per_s", plain_bps},
-                       {"ratio", curve_bps / plain_bps}}, text);
+                       {"ratio", curve_bps / plain_bps}, {"zmq_curve_bytes_per_s", zmq_curve_bps}, {"zmq_plain_bytes_per_s", zmq_plain_bps},
+                       {"zmq_ratio", zmq_curve_bps / zmq_plain_bps}}, text);
   }
   json summary{{"bench", "transport"}, {"figures", figures}, {"raw", raw}};
   std::cout << (as_json ? summary.dump() : summary.dump(2)) << std::endl;
