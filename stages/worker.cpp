@@ -434,10 +434,10 @@ struct Worker::Impl {
     // This peer's weights, set aside while a stashed version computes; put back whatever happens.
     struct SetAside {
       Impl* impl;
-      std::vector<float> flat;
+      std::vector<torch::Tensor> data;
       void put_back() {
-        if (!flat.empty()) impl->load_flat(flat);
-        flat.clear();
+        if (!data.empty()) impl->swap_data(data);
+        data.clear();
       }
       ~SetAside() { put_back(); }
     } current{this, {}};
@@ -453,8 +453,7 @@ struct Worker::Impl {
           // The weights stepped since this forward, in place under its graph: recompute the
           // forward on the weights it ran on (weight stashing, PipeDream), so the backward is
           // the gradient of what the next stage received. The gradient adds to the current step.
-          current.flat = flatten();
-          load_flat(stash->second);
+          current.data = swap_in(stash->second);
           x = it->input.detach();
           if (!model_->is_first()) x.requires_grad_(true);
           out = model_->forward(x);
@@ -596,6 +595,33 @@ struct Worker::Impl {
       flat.insert(flat.end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
     }
     return flat;
+  }
+
+  // Puts `flat` in place of the parameters without writing into them, and returns what they
+  // held (for swap_data). Not load_flat: a write in place bumps each parameter's autograd version,
+  // and every graph of the affinity cache that ran on the current weights would then refuse its
+  // backward ("modified by an inplace operation"). set_data keeps the version.
+  std::vector<torch::Tensor> swap_in(const std::vector<float>& flat) {
+    torch::NoGradGuard ng;
+    std::vector<torch::Tensor> data;
+    size_t off = 0;
+    for (const auto& [name, p] : model_->named_parameters()) {
+      torch::Tensor src = torch::from_blob(const_cast<float*>(flat.data() + off), p.sizes(), torch::kFloat32);
+      data.push_back(src.to(p.device(), p.scalar_type(), /*non_blocking=*/false, /*copy=*/true));
+      off += size_t(p.numel());
+    }
+    SWARM_CHECK(off == flat.size(), "flat parameter vector size");
+    swap_data(data);
+    return data;
+  }
+  // Exchanges each parameter's data with data[i] (same shapes, dtypes and devices).
+  void swap_data(std::vector<torch::Tensor>& data) {
+    size_t i = 0;
+    for (const auto& [name, p] : model_->named_parameters()) {
+      torch::Tensor held = p.detach();
+      p.set_data(data[i]);
+      data[i++] = held;
+    }
   }
 
   void load_flat(const std::vector<float>& flat) {

@@ -39,6 +39,8 @@ std::vector<int64_t> adam_steps_after(const std::string& schedule) {
   EXPECT_EQ(st["state"], "done") << st.dump();
   EXPECT_EQ(st["microbatches"]["lost"], 0);
   EXPECT_LT(st["val_loss"].get<double>(), st["unigram_loss"].get<double>());
+  // No backward failed: a weight-stashed recompute must not spoil the cached graphs of others.
+  for (const auto& p : c.peers()["peers"]) EXPECT_EQ(p["heartbeat"]["errors"], 0) << p["name"] << ": compute errors";
   for (const auto& stage : st["state_hashes"]) {
     std::set<uint64_t> distinct;
     for (const auto& [peer, h] : stage.items()) distinct.insert(h.get<uint64_t>());
