@@ -240,11 +240,13 @@ void Rounds::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
         const std::string nm = q ? q->hello.name : who;
         outliers_[nm]++;
         st.left_out.insert(who);
+        const bool far = std::find(r.far.begin(), r.far.end(), k) != r.far.end();
         const std::string what = "its outer gradient for part " + std::to_string(j) + " of stage " + std::to_string(pd.stage) +
-                                 " in round " + std::to_string(count_) + " was over " + std::to_string(int(diloco::kOutlierFactor)) +
-                                 "x the group's median norm or not finite";
+                                 " in round " + std::to_string(count_) + " was " +
+                                 (far ? "over " + std::to_string(int(diloco::kBlameFactor)) + "x the group's norm or not finite"
+                                      : "over " + std::to_string(int(diloco::kOutlierFactor)) + "x the group's norm");
         c.warn("peer " + nm + ": " + what + "; left out");
-        blames_.emplace_back(who, what);
+        if (far) blames_.emplace_back(who, what);   // past any honest spread: counted against it
       }
       Slot mean = Ctx::take_reply_tensor(p.id, pd.id, m, 0);
       if (mean.bytes) {

@@ -94,8 +94,8 @@ class Rounds {
   bool advance(Ctx& c, bool may_apply);
   // Peers that disagreed in the last vote, each with a donor that holds the majority state.
   std::vector<std::pair<PeerId, PeerId>> take_resyncs() { return std::move(resyncs_); }
-  // Peers the last replies showed lying (an outlier outer gradient, a vote against a clear
-  // majority), each with what it did: the job counts them as integrity failures.
+  // Peers the last replies showed lying (an outer gradient far past any honest spread, a vote
+  // against a clear majority), each with what it did: the job counts them as integrity failures.
   std::vector<std::pair<PeerId, std::string>> take_blames() { return std::move(blames_); }
 
   // A request of the round could not fetch tensor `slot` from the peer holding it.

@@ -18,8 +18,8 @@ namespace swarm::diloco {
 void accumulate(std::vector<float>& sum, const float* d, size_t n, float w);
 
 // The contributions a round leaves out (docs/security.md): with two or more contributions, any
-// non-finite one and, where two or more have a positive score, one whose score exceeds
-// kOutlierFactor times their lower median score. Returns their indices. The score of an outer
+// non-finite one and one whose score exceeds kOutlierFactor times the lower median score of the
+// contributions that trained at least half as much as the most (by weight). Returns their indices. The score of an outer
 // gradient Δ is its L2 norm, counted only at positive weight (weight 0: it is not in the mean):
 // honest peers of a group take the same inner steps from the same weights on the same data, so
 // their norms are within a small factor of each other. The score of a gradient sum (`grad_sums`,
@@ -27,8 +27,13 @@ void accumulate(std::vector<float>& sum, const float* d, size_t n, float w);
 // per-sample gradients grows between sqrt(n) (noise) and n (a common direction), so honest scores
 // differ by at most sqrt of the ratio of samples served. A liar's outsized vector does not move
 // the mean at all (scaling it down to the bound instead still let it pull every round its way).
+// Left out of the mean is not proof of a lie: a newcomer's first rounds, with an optimizer state
+// fresh from a donor, measured over 4x the others'. What the router counts against a peer is a
+// score over kBlameFactor times the yardstick (or not finite), far past any honest spread.
 constexpr double kOutlierFactor = 4.0;
-std::vector<size_t> outliers(const std::vector<std::vector<float>>& ds, const std::vector<double>& weights, bool grad_sums = false);
+constexpr double kBlameFactor = 1000.0;
+std::vector<size_t> outliers(const std::vector<std::vector<float>>& ds, const std::vector<double>& weights, bool grad_sums = false,
+                             double factor = kOutlierFactor);
 
 // m <- mu * m + d; theta_g <- theta_g - lr * (nesterov ? d + mu * m : m). With lr 1 and mu 0
 // that is theta_g <- theta_g - d: for d = theta_g - theta, the plain (weighted) average of the

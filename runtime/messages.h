@@ -315,11 +315,13 @@ struct RoundReduced {
   uint64_t round = 0;
   int32_t stage = -1;
   std::vector<int64_t> outliers;   // contributions (their index in the ROUND_REDUCE) left out of the mean
+  std::vector<int64_t> far;        // those of them far past any honest spread (diloco::kBlameFactor)
   template <class V>
   void visit(V& v) {
     v.field("round", round, kRequired, kMaxCount);
     v.field("stage", stage, kOptional, -1, kMaxStageIndex);
     v.field("outliers", outliers, kOptional, size_t(256), int64_t(0), int64_t(255));
+    v.field("far", far, kOptional, size_t(256), int64_t(0), int64_t(255));
   }
 };
 

@@ -735,12 +735,13 @@ struct Worker::Impl {
     // No contribution steers the round: one over diloco::kOutlierFactor times the group's (lower)
     // median, or not finite, is left out of the sum and reported. In a "grad" round the weights
     // are the samples the router counted, for the outlier test only: the sum is plain.
-    const std::vector<size_t> out = diloco::outliers(ds, b.weights, b.what == msg::RoundWhat::kGrad);
+    const bool grad = b.what == msg::RoundWhat::kGrad;
+    const std::vector<size_t> out = diloco::outliers(ds, b.weights, grad);
+    const std::vector<size_t> far = diloco::outliers(ds, b.weights, grad, diloco::kBlameFactor);
     std::vector<float> sum;
     double total = 0;
     for (size_t k = 0; k < ds.size(); ++k) {
       if (std::find(out.begin(), out.end(), k) != out.end()) continue;
-      const bool grad = b.what == msg::RoundWhat::kGrad;
       diloco::accumulate(sum, ds[k].data(), n, grad ? 1.f : float(b.weights[k]));
       total += b.weights[k];
     }
@@ -753,6 +754,7 @@ struct Worker::Impl {
     r.round = b.round;
     r.stage = stage_;
     r.outliers.assign(out.begin(), out.end());
+    r.far.assign(far.begin(), far.end());
     Message rep = msg::make(r, req.id, req.attempt);
     std::string key = std::string("mean:") + msg::round_what_name(b.what) + ":" + std::to_string(b.fragment);
     if (b.shards > 1) key += ":" + std::to_string(bounds[size_t(b.shard)]) + "-" + std::to_string(bounds[size_t(b.shard) + 1]);

@@ -260,21 +260,24 @@ def fragment_range(P, F_, f):
 
 
 OUTLIER_FACTOR = 4.0
+BLAME_FACTOR = 1000.0
 
 
-def outliers(deltas, weights, grad_sums=False):
-    """ROUND_REDUCE, before the sum (docs/security.md): with two or more contributions, the indices
-    of any whose score is not finite and, where two or more have a positive score, of those whose
-    score exceeds 4 x the lower median score; they are left out. A Δ's score ("delta") is its L2
-    norm and counts only at positive weight; a gradient sum's ("grad", weights the router-counted
-    samples) is its norm / sqrt(max(w, 1)) at any weight. Norms in float64, summed in order."""
+def outliers(deltas, weights, grad_sums=False, factor=OUTLIER_FACTOR):
+    """ROUND_REDUCE, before the sum (docs/model.md, "Outliers"): with two or more contributions,
+    the indices of any whose score is not finite and of those whose score exceeds `factor` (4;
+    BLAME_FACTOR for ROUND_REDUCED.far) x the lower median score of the yardstick: the counted contributions with a positive score and at least
+    half the largest counted weight. A Δ's score ("delta") is its L2 norm and counts only at
+    positive weight; a gradient sum's ("grad", weights the router-counted samples) is its norm /
+    sqrt(max(w, 1)) at any weight. Norms in float64, summed in order."""
     norms = [math.sqrt(float(np.cumsum(np.asarray(d, np.float64) ** 2)[-1])) if len(d) else 0.0 for d in deltas]
     if len(deltas) < 2:
         return []
     scores = [n / math.sqrt(max(w, 1.0)) if grad_sums else n for n, w in zip(norms, weights)]
-    counted = [grad_sums or w > 0 for w in weights]
-    per = sorted(x for x, c in zip(scores, counted) if c and math.isfinite(x) and x > 0)
-    bound = OUTLIER_FACTOR * per[(len(per) - 1) // 2] if len(per) >= 2 else math.inf
+    counted = [(grad_sums or w > 0) and math.isfinite(x) for x, w in zip(scores, weights)]
+    max_w = max([w for w, c in zip(weights, counted) if c], default=0.0)
+    ref = sorted(x for x, w, c in zip(scores, weights, counted) if c and x > 0 and w >= 0.5 * max_w)
+    bound = factor * ref[(len(ref) - 1) // 2] if sum(counted) >= 2 and ref else math.inf
     return [k for k, (x, c) in enumerate(zip(scores, counted)) if not math.isfinite(x) or (c and x > bound)]
 
 

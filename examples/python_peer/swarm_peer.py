@@ -512,10 +512,13 @@ class Peer:
         if what == "delta" and not sum(weights) > 0:
             raise WireError("malformed", "ROUND_REDUCE weights sum to zero")
         left_out = M.outliers(ds, weights, grad_sums=what == "grad")
+        far = M.outliers(ds, weights, grad_sums=what == "grad", factor=M.BLAME_FACTOR)
         s = M.reduce_delta(ds, weights, mean=what == "delta", left_out=left_out)
         reply = {"round": field(body, "round", "uint"), "stage": self.stage_index}
         if left_out:
             reply["outliers"] = left_out
+        if far:
+            reply["far"] = far
         return ROUND_REDUCED, reply, [f32(s)]
 
     def round_apply(self, body, tensors):

@@ -90,6 +90,14 @@ TEST(Outliers, AnOutsizedOrNonFiniteContributionIsLeftOutAndReported) {
   EXPECT_TRUE(diloco::outliers({{3, 0}, {0, 1}}, {100, 10}).empty());
   EXPECT_EQ(diloco::outliers({{3, 0}, {0, 1}, {0, 1e3f}}, {100, 10, 100}), std::vector<size_t>{2});
   EXPECT_TRUE(diloco::outliers({{3, 0}, {0, 1}, {0, 1e3f}}, {100, 10, 0}).empty());
+  // Counted against a peer only far past any honest spread (kBlameFactor), or not finite.
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1.2f}, {1e6f, 1e6f}}, {1, 1, 1}, false, diloco::kBlameFactor), std::vector<size_t>{2});
+  EXPECT_TRUE(diloco::outliers({{1, 0}, {0, 1}, {0, 50}}, {1, 1, 1}, false, diloco::kBlameFactor).empty());
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {NAN, 0}}, {1, 1, 1}, false, diloco::kBlameFactor), std::vector<size_t>{2});
+  // The yardstick is the peers that trained at least half as much as the most: a newcomer's
+  // small Δ (it synced one step ago) does not make the peer that trained all along an outlier.
+  EXPECT_TRUE(diloco::outliers({{0, 5}, {1, 0}}, {500, 100}).empty());
+  EXPECT_EQ(diloco::outliers({{0, 5}, {1, 0}, {0, 1e4f}}, {500, 100, 50}), std::vector<size_t>{2});
   // Gradient sums by norm / sqrt(samples): 16 samples with a sum 4x as long as 1 sample's is
   // honest (scores 1 and 1), a sum 10^6 x as long is not, whatever the samples it claims.
   EXPECT_TRUE(diloco::outliers({{1, 0}, {0, 4}}, {1, 16}, true).empty());
