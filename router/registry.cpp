@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "runtime/errors.h"
 #include "runtime/timing.h"
@@ -34,6 +35,7 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
   expiry_.emplace(now + window_s_, id);
   Peer& added = it->second;
   index(added);
+  if (!added.hello.listen.empty()) by_listen_.emplace(added.hello.listen, &added);
   return added;
 }
 
@@ -42,6 +44,11 @@ void Registry::remove(const PeerId& id) {
   if (it == peers_.end()) return;
   expiry_.erase({it->second.last_seen_s + window_s_, id});
   unindex(it->second);
+  for (auto [l, end] = by_listen_.equal_range(it->second.hello.listen); l != end; ++l)
+    if (l->second == &it->second) {
+      by_listen_.erase(l);
+      break;
+    }
   peers_.erase(it);
 }
 
@@ -49,6 +56,7 @@ void Registry::unindex(const Peer& p) {
   auto b = by_stage_.find({p.job_id, p.stage});
   SWARM_CHECK(b != by_stage_.end() && b->second.peers.erase(p.seq) == 1, "peer " + p.hello.name + " is missing from the stage index");
   b->second.ready -= p.state == PeerState::kReady;
+  b->second.idle -= p.state == PeerState::kIdle;
   if (b->second.peers.empty()) by_stage_.erase(b);
 }
 
@@ -56,6 +64,7 @@ void Registry::index(Peer& p) {
   StageIndex& b = by_stage_[{p.job_id, p.stage}];
   b.peers[p.seq] = &p;
   b.ready += p.state == PeerState::kReady;
+  b.idle += p.state == PeerState::kIdle;
 }
 
 void Registry::place(Peer& p, uint64_t job, int stage) {
@@ -70,6 +79,7 @@ void Registry::set_state(Peer& p, PeerState s) {
   if (p.state == s) return;
   StageIndex& b = by_stage_.at({p.job_id, p.stage});
   b.ready = b.ready - (p.state == PeerState::kReady) + (s == PeerState::kReady);
+  b.idle = b.idle - (p.state == PeerState::kIdle) + (s == PeerState::kIdle);
   p.state = s;
 }
 
@@ -77,16 +87,21 @@ void Registry::check_index() const {
   size_t n = 0;
   for (const auto& [key, b] : by_stage_) {
     SWARM_CHECK(!b.peers.empty(), "an empty stage index entry");
-    size_t ready = 0;
+    size_t ready = 0, idle = 0;
     for (const auto& [seq, p] : b.peers) {
       SWARM_CHECK(p->job_id == key.first && p->stage == key.second && p->seq == seq,
                   "peer " + p->hello.name + " changed its job or stage without Registry::place");
       ready += p->state == PeerState::kReady;
+      idle += p->state == PeerState::kIdle;
       n++;
     }
-    SWARM_CHECK(ready == b.ready, "a peer changed its state without Registry::set_state");
+    SWARM_CHECK(ready == b.ready && idle == b.idle, "a peer changed its state without Registry::set_state");
   }
   SWARM_CHECK(n == peers_.size(), "the stage index does not hold every peer");
+  size_t listening = 0;
+  for (const auto& [id, p] : peers_) listening += !p.hello.listen.empty();
+  SWARM_CHECK(listening == by_listen_.size(), "the index by listen address does not hold every listening peer");
+  for (const auto& [listen, p] : by_listen_) SWARM_CHECK(p->hello.listen == listen, "peer " + p->hello.name + " changed its listen address");
 }
 
 Peer* Registry::find(const PeerId& id) {
@@ -161,6 +176,18 @@ std::vector<Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bo
 bool Registry::any_ready(uint64_t job, int stage) const {
   auto b = by_stage_.find({job, stage});
   return b != by_stage_.end() && b->second.ready > 0;
+}
+
+std::vector<const Peer*> Registry::listening_at(const std::string& listen) const {
+  std::vector<const Peer*> out;
+  for (auto [l, end] = by_listen_.equal_range(listen); l != end; ++l) out.push_back(l->second);
+  return out;
+}
+
+bool Registry::any_idle(uint64_t job) const {
+  for (auto b = by_stage_.lower_bound({job, std::numeric_limits<int>::min()}); b != by_stage_.end() && b->first.first == job; ++b)
+    if (b->second.idle > 0) return true;
+  return false;
 }
 
 std::vector<const Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bool ready_only) const {

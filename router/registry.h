@@ -105,6 +105,10 @@ class Registry {
   // Whether a peer of `stage` of `job` is ready (stage_peers(...) is not empty), without a list:
   // O(log stages).
   bool any_ready(uint64_t job, int stage) const;
+  // The peers whose HELLO gave `listen` as the address others fetch from: O(log peers).
+  std::vector<const Peer*> listening_at(const std::string& listen) const;
+  // Whether a peer placed on `job` (any stage) is idle: O(stages of the job).
+  bool any_idle(uint64_t job) const;
   // Every peer's job and stage agree with the index (SWARM_CHECK; RouterCore::check_invariants).
   void check_index() const;
 
@@ -119,8 +123,10 @@ class Registry {
   struct StageIndex {
     std::map<uint64_t, Peer*> peers;   // by seq
     size_t ready = 0;                  // of them in PeerState::kReady
+    size_t idle = 0;                   // of them in PeerState::kIdle
   };
   std::map<std::pair<uint64_t, int>, StageIndex> by_stage_;
+  std::multimap<std::string, Peer*> by_listen_;   // hello.listen -> the peers that gave it (not "")
   void unindex(const Peer& p);
   void index(Peer& p);
 };

@@ -116,8 +116,8 @@ void Rounds::count_bytes(Ctx& c, const wire::Message& m, const PeerId& receiver)
     if (r.from == c.peers.find(receiver)->hello.listen) continue;  // its own: no link crossed
     bytes_outer += r.desc.wire_bytes();
     round_bytes_[name(receiver)].received += r.desc.wire_bytes();
-    for (const auto& [id, p] : c.peers.all())
-      if (!p.hello.listen.empty() && p.hello.listen == r.from) round_bytes_[p.hello.name].sent += r.desc.wire_bytes();
+    if (!r.from.empty())
+      for (const Peer* p : c.peers.listening_at(r.from)) round_bytes_[p->hello.name].sent += r.desc.wire_bytes();
   }
 }
 
