@@ -34,6 +34,7 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
   auto [it, ok] = peers_.emplace(id, std::move(p));
   expiry_.emplace(now + window_s_, id);
   Peer& added = it->second;
+  by_id_[id] = &added;
   index(added);
   if (!added.hello.listen.empty()) by_listen_.emplace(added.hello.listen, &added);
   return added;
@@ -49,6 +50,7 @@ void Registry::remove(const PeerId& id) {
       by_listen_.erase(l);
       break;
     }
+  by_id_.erase(id);
   peers_.erase(it);
 }
 
@@ -98,6 +100,11 @@ void Registry::check_index() const {
     SWARM_CHECK(ready == b.ready && idle == b.idle, "a peer changed its state without Registry::set_state");
   }
   SWARM_CHECK(n == peers_.size(), "the stage index does not hold every peer");
+  SWARM_CHECK(by_id_.size() == peers_.size(), "the index by id does not hold every peer");
+  for (const auto& [id, p] : peers_) {
+    const auto f = by_id_.find(id);
+    SWARM_CHECK(f != by_id_.end() && f->second == &p, "the index by id points at another record");
+  }
   size_t listening = 0;
   for (const auto& [id, p] : peers_) listening += !p.hello.listen.empty();
   SWARM_CHECK(listening == by_listen_.size(), "the index by listen address does not hold every listening peer");
@@ -105,13 +112,13 @@ void Registry::check_index() const {
 }
 
 Peer* Registry::find(const PeerId& id) {
-  auto it = peers_.find(id);
-  return it == peers_.end() ? nullptr : &it->second;
+  auto it = by_id_.find(id);
+  return it == by_id_.end() ? nullptr : it->second;
 }
 
 const Peer* Registry::find(const PeerId& id) const {
-  auto it = peers_.find(id);
-  return it == peers_.end() ? nullptr : &it->second;
+  auto it = by_id_.find(id);
+  return it == by_id_.end() ? nullptr : it->second;
 }
 
 void Registry::touch(const PeerId& id, double now) {

@@ -15,6 +15,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "runtime/messages.h"
@@ -117,6 +118,7 @@ class Registry {
   uint64_t next_seq_ = 1;
   uint64_t bans_total_ = 0;
   std::map<PeerId, Peer> peers_;
+  std::unordered_map<PeerId, Peer*> by_id_;   // find() without walking peers_ (kept in add and remove)
   std::set<std::pair<double, PeerId>> expiry_;   // (expiry time, id) of every peer
   // (job, stage) -> its peers by join order (seq); every peer is in exactly one entry, (0, -1)
   // while it serves no job. Pointers into peers_ (a std::map: stable until erased).
