@@ -61,6 +61,7 @@ Flight& Flights::add(uint64_t key, Flight f) {
   f.grad_peer.resize(S);
   auto [it, ok] = flights_.emplace(key, std::move(f));
   SWARM_CHECK(ok, "microbatch " + std::to_string(key) + " taken twice");
+  where_.emplace(key, it);
   track(key, it->second);
   return it->second;
 }
@@ -69,6 +70,7 @@ void Flights::clear(Ctx& c) {
   for (auto& [key, f] : flights_) release_all(c, f);
   flights_.clear();
   waiting_.clear();
+  where_.clear();
 }
 
 void Flights::dispatch(Ctx& c) {
@@ -215,7 +217,7 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
 
 HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
   HopOutcome out;
-  auto it = flights_.find(pd.key);
+  auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) {
     if (!m.refs.empty()) c.release(p.id, pd.id);  // late: the hop moved on, and nobody needs what it holds
     return out;
@@ -300,6 +302,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
     out.what = what;
     release_all(c, f);
     waiting_.erase(pd.key);
+    where_.erase(pd.key);
     flights_.erase(it);
     return out;
   };
@@ -350,7 +353,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
 
 HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) {
   HopFailure out;
-  auto it = flights_.find(pd.key);
+  auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) return out;
   Flight& f = it->second;
   f.req_id = 0;
@@ -390,7 +393,7 @@ HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_ten
 }
 
 HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) {
-  auto it = flights_.find(pd.key);
+  auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) return {};
   Flight& f = it->second;
   Slot* sl = slot_of(f, slot);
@@ -438,7 +441,7 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
 
 HopOutcome Flights::on_uploaded(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
   HopOutcome out;
-  auto it = flights_.find(pd.key);
+  auto it = locate(pd.key);
   if (it == flights_.end() || it->second.upload_req != pd.id) return out;
   Flight& f = it->second;
   f.upload_req = 0;
@@ -460,7 +463,7 @@ HopOutcome Flights::on_uploaded(Ctx& c, Peer& p, const Pending& pd, wire::Messag
 }
 
 void Flights::on_upload_failed(Ctx& c, const Pending& pd) {
-  auto it = flights_.find(pd.key);
+  auto it = locate(pd.key);
   if (it == flights_.end() || it->second.upload_req != pd.id) return;
   Flight& f = it->second;
   f.upload_req = 0;
@@ -505,6 +508,7 @@ void Flights::check(const Requests& r) const {
     SWARM_CHECK(pd->kind == ReqKind::kHop && pd->key == key && pd->job == cfg_.job, "a flight's request is not its hop");
   }
   SWARM_CHECK(waiting == waiting_.size(), "the queue of flights to send holds a flight that is gone");
+  SWARM_CHECK(where_.size() == flights_.size(), "the index of flights by key does not hold every flight");
 }
 
 }  // namespace swarm::router

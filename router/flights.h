@@ -33,6 +33,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "router/job.h"
@@ -157,8 +158,15 @@ class Flights {
     if (f.req_id == 0 && f.upload_req == 0) waiting_.emplace(key, &f);
     else waiting_.erase(key);
   }
+  using FlightMap = std::map<uint64_t, Flight>;
+  // A flight by key without walking flights_ (kept in add, clear and on completion).
+  FlightMap::iterator locate(uint64_t key) {
+    const auto w = where_.find(key);
+    return w == where_.end() ? flights_.end() : w->second;
+  }
   FlightConfig cfg_;
-  std::map<uint64_t, Flight> flights_;
+  FlightMap flights_;
+  std::unordered_map<uint64_t, FlightMap::iterator> where_;
   std::map<uint64_t, Flight*> waiting_;   // map nodes do not move: the pointers stay valid
 };
 
