@@ -185,12 +185,6 @@ bool Registry::any_ready(uint64_t job, int stage) const {
   return b != by_stage_.end() && b->second.ready > 0;
 }
 
-std::vector<const Peer*> Registry::listening_at(const std::string& listen) const {
-  std::vector<const Peer*> out;
-  for (auto [l, end] = by_listen_.equal_range(listen); l != end; ++l) out.push_back(l->second);
-  return out;
-}
-
 bool Registry::any_idle(uint64_t job) const {
   for (auto b = by_stage_.lower_bound({job, std::numeric_limits<int>::min()}); b != by_stage_.end() && b->first.first == job; ++b)
     if (b->second.idle > 0) return true;

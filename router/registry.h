@@ -106,8 +106,12 @@ class Registry {
   // Whether a peer of `stage` of `job` is ready (stage_peers(...) is not empty), without a list:
   // O(log stages).
   bool any_ready(uint64_t job, int stage) const;
-  // The peers whose HELLO gave `listen` as the address others fetch from: O(log peers).
-  std::vector<const Peer*> listening_at(const std::string& listen) const;
+  // Calls f(const Peer&) for each peer whose HELLO gave `listen` as the address others fetch
+  // from, in no particular order: one hash lookup.
+  template <class F>
+  void each_listening_at(const std::string& listen, F&& f) const {
+    for (auto [l, end] = by_listen_.equal_range(listen); l != end; ++l) f(*l->second);
+  }
   // Whether a peer placed on `job` (any stage) is idle: O(stages of the job).
   bool any_idle(uint64_t job) const;
   // Every peer's job and stage agree with the index (SWARM_CHECK; RouterCore::check_invariants).
@@ -128,7 +132,7 @@ class Registry {
     size_t idle = 0;                   // of them in PeerState::kIdle
   };
   std::map<std::pair<uint64_t, int>, StageIndex> by_stage_;
-  std::multimap<std::string, Peer*> by_listen_;   // hello.listen -> the peers that gave it (not "")
+  std::unordered_multimap<std::string, Peer*> by_listen_;   // hello.listen -> the peers that gave it (not "")
   void unindex(const Peer& p);
   void index(Peer& p);
 };
