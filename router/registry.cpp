@@ -32,8 +32,8 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
   if (p.hello.device_name.empty()) p.hello.device_name = p.hello.device;
   p.joined_s = p.last_seen_s = now;
   auto [it, ok] = peers_.emplace(id, std::move(p));
-  expiry_.emplace(now + window_s_, id);
   Peer& added = it->second;
+  expiry_.emplace(now + window_s_, &added.id);
   by_id_[id] = &added;
   index(added);
   if (!added.hello.listen.empty()) by_listen_.emplace(added.hello.listen, &added);
@@ -43,7 +43,7 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
 void Registry::remove(const PeerId& id) {
   auto it = peers_.find(id);
   if (it == peers_.end()) return;
-  expiry_.erase({it->second.last_seen_s + window_s_, id});
+  expiry_.erase({it->second.last_seen_s + window_s_, &it->second.id});
   unindex(it->second);
   for (auto [l, end] = by_listen_.equal_range(it->second.hello.listen); l != end; ++l)
     if (l->second == &it->second) {
@@ -124,16 +124,22 @@ const Peer* Registry::find(const PeerId& id) const {
 void Registry::touch(const PeerId& id, double now) {
   Peer* p = find(id);
   if (!p || now <= p->last_seen_s) return;
-  expiry_.erase({p->last_seen_s + window_s_, id});
+  // The same entry moved to its new time: no allocation.
+  auto node = expiry_.extract({p->last_seen_s + window_s_, &p->id});
   p->last_seen_s = now;
-  expiry_.emplace(now + window_s_, id);
+  if (node.empty()) {
+    expiry_.emplace(now + window_s_, &p->id);
+  } else {
+    node.value().first = now + window_s_;
+    expiry_.insert(std::move(node));
+  }
 }
 
 std::vector<PeerId> Registry::expired(double now) const {
   std::vector<PeerId> out;
   for (const auto& [t, id] : expiry_) {
     if (t >= now) break;
-    out.push_back(id);
+    out.push_back(*id);
   }
   return out;
 }

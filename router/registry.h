@@ -123,7 +123,14 @@ class Registry {
   uint64_t bans_total_ = 0;
   std::map<PeerId, Peer> peers_;
   std::unordered_map<PeerId, Peer*> by_id_;   // find() without walking peers_ (kept in add and remove)
-  std::set<std::pair<double, PeerId>> expiry_;   // (expiry time, id) of every peer
+  // (expiry time, id) of every peer, ordered by time then id; the id is the Peer record's own
+  // (stable until the record is erased), so that a touch on every message copies no string.
+  struct ByExpiry {
+    bool operator()(const std::pair<double, const PeerId*>& a, const std::pair<double, const PeerId*>& b) const {
+      return a.first != b.first ? a.first < b.first : *a.second < *b.second;
+    }
+  };
+  std::set<std::pair<double, const PeerId*>, ByExpiry> expiry_;
   // (job, stage) -> its peers by join order (seq); every peer is in exactly one entry, (0, -1)
   // while it serves no job. Pointers into peers_ (a std::map: stable until erased).
   struct StageIndex {
