@@ -308,8 +308,9 @@ void RouterCore::Impl::advance_jobs(Ctx& c, bool offer_idle) {
   }
   if (!j) return;
   // A peer left idle (its load failed) is offered the job again once its ban is over: checked on
-  // the tick only, a scan of every peer being too dear for every message.
-  if (offer_idle)
+  // the tick only, a scan of every peer being too dear for every message, and only when the
+  // registry counts an idle peer on the job.
+  if (offer_idle && peers.any_idle(j->id()))
     for (auto& [id, p] : peers.all())
       if (p.state == PeerState::kIdle && p.job_id == j->id() && !peers.banned(p, c.now)) j->offer(c, p);
   j->advance(c);
@@ -454,6 +455,7 @@ Actions RouterCore::tick(double now) {
   for (const PeerId& id : I.peers.expired(now)) I.peer_dead(c, id, "missed " + std::to_string(I.opt.liveness) + " heartbeats");
   if (now - I.last_beat_s >= I.opt.heartbeat_ms / 1000.0) {
     I.last_beat_s = now;
+    out.reserve(out.size() + I.peers.size());
     for (const auto& [id, p] : I.peers.all()) c.send(id, wire::Message(MsgType::kHeartbeat));
     for (auto it = I.clients.begin(); it != I.clients.end();) it = now - it->second.last_s > I.opt.client_idle_s ? I.clients.erase(it) : std::next(it);
   }

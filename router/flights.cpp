@@ -61,21 +61,31 @@ Flight& Flights::add(uint64_t key, Flight f) {
   f.grad_peer.resize(S);
   auto [it, ok] = flights_.emplace(key, std::move(f));
   SWARM_CHECK(ok, "microbatch " + std::to_string(key) + " taken twice");
+  where_.emplace(key, it);
+  track(key, it->second);
   return it->second;
 }
 
 void Flights::clear(Ctx& c) {
   for (auto& [key, f] : flights_) release_all(c, f);
   flights_.clear();
+  waiting_.clear();
+  where_.clear();
 }
 
 void Flights::dispatch(Ctx& c) {
-  for (auto& [key, f] : flights_) {
-    if (f.req_id != 0 || f.upload_req != 0 || c.now < f.not_before_s) continue;
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    const uint64_t key = it->first;
+    Flight& f = *it->second;
+    if (c.now < f.not_before_s) {
+      ++it;
+      continue;
+    }
     // A tensor lost with its holder is made again first (at most once per stage).
     for (int k = 0; k <= 2 * cfg_.stages && !repair(f); ++k) {}
-    if (!c.peers.any_ready(cfg_.job, f.stage)) continue;  // paused until a peer of the stage is ready
-    send_hop(c, key, f);
+    if (c.peers.any_ready(cfg_.job, f.stage)) send_hop(c, key, f);  // else paused until a peer of the stage is ready
+    if (f.req_id != 0) it = waiting_.erase(it);
+    else ++it;
   }
 }
 
@@ -207,7 +217,7 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
 
 HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
   HopOutcome out;
-  auto it = flights_.find(pd.key);
+  auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) {
     if (!m.refs.empty()) c.release(p.id, pd.id);  // late: the hop moved on, and nobody needs what it holds
     return out;
@@ -268,6 +278,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   }
   hop_metrics.completed(f.stage, kind_label(f), c.now - pd.sent_s);
   f.req_id = 0;
+  track(pd.key, f);
   f.tried.clear();
   f.attempts = 0;
   f.not_before_s = 0;
@@ -290,6 +301,8 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   auto complete = [&](HopOutcome::What what) {
     out.what = what;
     release_all(c, f);
+    waiting_.erase(pd.key);
+    where_.erase(pd.key);
     flights_.erase(it);
     return out;
   };
@@ -340,10 +353,11 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
 
 HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) {
   HopFailure out;
-  auto it = flights_.find(pd.key);
+  auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) return out;
   Flight& f = it->second;
   f.req_id = 0;
+  track(pd.key, f);
   f.tried.insert(pd.peer);
   resent_hop(c, f, pd, error, why);
   // Who made the tensor the receiver rejected: the previous stage's forward for a stage input,
@@ -379,7 +393,7 @@ HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_ten
 }
 
 HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) {
-  auto it = flights_.find(pd.key);
+  auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) return {};
   Flight& f = it->second;
   Slot* sl = slot_of(f, slot);
@@ -415,6 +429,7 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
     f.upload_req = c.request(up, msg::make(wire::MsgType::kFetch, body));
     uploads++;
   }
+  track(pd.key, f);
   f.not_before_s = c.now;
   if (int(f.attempts) >= cfg_.max_attempts && !f.eval) {
     out.exhausted = true;
@@ -426,10 +441,11 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
 
 HopOutcome Flights::on_uploaded(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
   HopOutcome out;
-  auto it = flights_.find(pd.key);
+  auto it = locate(pd.key);
   if (it == flights_.end() || it->second.upload_req != pd.id) return out;
   Flight& f = it->second;
   f.upload_req = 0;
+  track(pd.key, f);
   Slot* sl = slot_of(f, pd.stage);
   if (!sl || !sl->held || sl->held->holder != p.id) return out;  // the hop moved on
   if (m.tensors.size() != 1 || !wire::same_tensor(m.tensors[0].desc, sl->held->desc)) {
@@ -447,10 +463,11 @@ HopOutcome Flights::on_uploaded(Ctx& c, Peer& p, const Pending& pd, wire::Messag
 }
 
 void Flights::on_upload_failed(Ctx& c, const Pending& pd) {
-  auto it = flights_.find(pd.key);
+  auto it = locate(pd.key);
   if (it == flights_.end() || it->second.upload_req != pd.id) return;
   Flight& f = it->second;
   f.upload_req = 0;
+  track(pd.key, f);
   if (Slot* sl = slot_of(f, pd.stage); sl && sl->held) c.drop(*sl);  // made again one stage back
 }
 
@@ -472,7 +489,12 @@ void Flights::go_back(Ctx& c, Flight& f, int bad) {
 }
 
 void Flights::check(const Requests& r) const {
+  size_t waiting = 0;
   for (const auto& [key, f] : flights_) {
+    const bool waits = f.req_id == 0 && f.upload_req == 0;
+    waiting += waits;
+    const auto w = waiting_.find(key);
+    SWARM_CHECK(waits == (w != waiting_.end()) && (!waits || w->second == &f), "microbatch " + std::to_string(key) + " is " + (waits ? "not " : "") + "queued to be sent, but " + (waits ? "waits" : "is in flight"));
     SWARM_CHECK(f.stage >= 0 && f.stage < cfg_.stages, "flight at a stage outside the job");
     SWARM_CHECK(f.inputs[0].bytes.has_value(), "flight without its tokens");
     SWARM_CHECK(f.req_id == 0 || f.upload_req == 0, "a flight both sent and relaying a tensor");
@@ -485,6 +507,8 @@ void Flights::check(const Requests& r) const {
     SWARM_CHECK(pd != nullptr, "microbatch " + std::to_string(key) + " is marked sent but has no pending request");
     SWARM_CHECK(pd->kind == ReqKind::kHop && pd->key == key && pd->job == cfg_.job, "a flight's request is not its hop");
   }
+  SWARM_CHECK(waiting == waiting_.size(), "the queue of flights to send holds a flight that is gone");
+  SWARM_CHECK(where_.size() == flights_.size(), "the index of flights by key does not hold every flight");
 }
 
 }  // namespace swarm::router

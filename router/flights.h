@@ -33,6 +33,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "router/job.h"
@@ -113,6 +114,7 @@ class Flights {
   const std::map<uint64_t, Flight>& all() const { return flights_; }
 
   // Sends every waiting flight whose backoff is over to a peer of its stage (none: it waits).
+  // Visits only the flights waiting to be sent (waiting_), in key order, not every flight.
   void dispatch(Ctx& c);
   HopOutcome on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m);
   HopFailure on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why);
@@ -150,8 +152,22 @@ class Flights {
   const char* kind_label(const Flight& f) const { return cfg_.echo ? "echo" : hop_kind_name(f.kind); }
   // A hop that failed and goes out again: counted, and on the timeline.
   void resent_hop(Ctx& c, const Flight& f, const Pending& pd, bool error, const std::string& why);
+  // A flight waits to be sent when it has no request in flight (req_id 0) and relays nothing
+  // (upload_req 0): waiting_ holds exactly those, by key, so dispatch visits only them.
+  void track(uint64_t key, Flight& f) {
+    if (f.req_id == 0 && f.upload_req == 0) waiting_.emplace(key, &f);
+    else waiting_.erase(key);
+  }
+  using FlightMap = std::map<uint64_t, Flight>;
+  // A flight by key without walking flights_ (kept in add, clear and on completion).
+  FlightMap::iterator locate(uint64_t key) {
+    const auto w = where_.find(key);
+    return w == where_.end() ? flights_.end() : w->second;
+  }
   FlightConfig cfg_;
-  std::map<uint64_t, Flight> flights_;
+  FlightMap flights_;
+  std::unordered_map<uint64_t, FlightMap::iterator> where_;
+  std::map<uint64_t, Flight*> waiting_;   // map nodes do not move: the pointers stay valid
 };
 
 constexpr uint64_t kEvalBit = uint64_t(1) << 62;   // eval microbatch keys: kEvalBit | batch index

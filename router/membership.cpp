@@ -12,8 +12,10 @@ namespace swarm::router {
 // A peer for a running job: the stage it pinned (--stage), else the one it prefers
 // (--prefer-stage, movable later), else where the swarm's minimum stage throughput rises most.
 // A stage is never put on a peer whose device cannot hold it (router/placement.h, memory).
-void TrainingJob::assign(Ctx& c, Peer& p) {
-  const swarm::Registry reg = placement_view(c.peers, c.now);
+void TrainingJob::assign(Ctx& c, Peer& p, StartView* start) {
+  swarm::Registry own;
+  if (!start) own = placement_view(c.peers, c.now);
+  const swarm::Registry& reg = start ? start->reg : own;
   const PeerView me = view_of(p);
   int stage = p.hello.stage;
   if (stage >= S_) {
@@ -35,6 +37,12 @@ void TrainingJob::assign(Ctx& c, Peer& p) {
   }
   c.peers.place(p, id_, stage);
   send_load(c, p);
+  if (start) {
+    // The peer joins the start's view as placement_view would now show it.
+    const auto at = std::lower_bound(start->seq.begin(), start->seq.end(), p.seq);
+    start->reg.peers.insert(start->reg.peers.begin() + (at - start->seq.begin()), placed_view(p, c.peers, c.now));
+    start->seq.insert(at, p.seq);
+  }
 }
 
 // LOAD_STAGE for the peer's stage; it gets the stage's state before it serves (on_loaded).
@@ -202,7 +210,7 @@ void TrainingJob::integrity_failure(Ctx& c, const PeerId& id, const std::string&
 
 // The job's peers as router/placement.h sees them: a peer's speed is what it delivers (its
 // measured ms per work unit), scaled to a stage of cost 1.
-swarm::Registry TrainingJob::placement_view(const Registry& peers, double now) const {
+swarm::Registry TrainingJob::placement_view(const Registry& peers, double now, std::vector<uint64_t>* seq) const {
   swarm::Registry reg;
   reg.stages = S_;
   reg.stage_cost = stage_cost_;
@@ -213,14 +221,20 @@ swarm::Registry TrainingJob::placement_view(const Registry& peers, double now) c
     if (p.job_id == id_ && p.stage >= 0 && p.stage < S_ && p.state != PeerState::kQuarantined) ps.push_back(&p);
   std::sort(ps.begin(), ps.end(), [](const Peer* a, const Peer* b) { return a->seq < b->seq; });
   reg.stage_need = stage_need_;
+  reg.peers.reserve(ps.size());
   for (const Peer* p : ps) {
-    PeerView v = view_of(*p);
-    v.stage = p->stage;
-    v.ready = p->state == PeerState::kReady;
-    v.movable = v.ready && !peers.banned(*p, now);
-    reg.peers.push_back(v);
+    reg.peers.push_back(placed_view(*p, peers, now));
+    if (seq) seq->push_back(p->seq);
   }
   return reg;
+}
+
+PeerView TrainingJob::placed_view(const Peer& p, const Registry& peers, double now) const {
+  PeerView v = view_of(p);
+  v.stage = p.stage;
+  v.ready = p.state == PeerState::kReady;
+  v.movable = v.ready && !peers.banned(p, now);
+  return v;
 }
 
 PeerView TrainingJob::view_of(const Peer& p) const {

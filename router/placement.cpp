@@ -126,6 +126,16 @@ class Planner {
       if (p.ready) start_.ready[size_t(p.stage)]++;
     }
     start_.moved.assign(reg.peers.size(), false);
+    // For restricted(): per (from, to), the slowest peer that moved from `to` to `from` within
+    // settle_s (a peer at least half as fast as any of them going back is restricted).
+    const size_t S = size_t(std::max(reg.stages, 0));
+    back_min_.assign(S * S, std::numeric_limits<double>::infinity());
+    for (size_t k = 0; k < reg.peers.size(); ++k) {
+      const PeerView& q = reg.peers[k];
+      if (q.last_from < 0 || q.last_from >= reg.stages || !(now_ - q.last_moved_s < params_.settle_s)) continue;
+      double& m = back_min_[size_t(q.stage) * S + size_t(q.last_from)];
+      m = std::min(m, eff_[k]);
+    }
   }
 
   const std::vector<double>& start() const { return start_.t; }
@@ -194,11 +204,7 @@ class Planner {
   // going back where a fast one left only refines it).
   bool restricted(size_t i, int from, int to) const {
     if (now_ - reg_.peers[i].last_moved_s < params_.settle_s) return true;
-    for (size_t k = 0; k < reg_.peers.size(); ++k) {
-      const PeerView& q = reg_.peers[k];
-      if (q.last_from == to && q.stage == from && now_ - q.last_moved_s < params_.settle_s && eff_[i] >= 0.5 * eff_[k]) return true;
-    }
-    return false;
+    return eff_[i] >= 0.5 * back_min_[size_t(from) * size_t(reg_.stages) + size_t(to)];
   }
 
   // Larger sorted throughputs after the move; then the source with the most spare; then the id.
@@ -214,6 +220,7 @@ class Planner {
   const double now_;
   const std::vector<double> eff_;
   PlanState start_;
+  std::vector<double> back_min_;   // [from * stages + to] see the constructor
 };
 
 // Exact best minimum by a dynamic programme over subsets: g_k(mask) is the best minimum of the

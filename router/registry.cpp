@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "runtime/errors.h"
 #include "runtime/timing.h"
@@ -31,17 +32,25 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
   if (p.hello.device_name.empty()) p.hello.device_name = p.hello.device;
   p.joined_s = p.last_seen_s = now;
   auto [it, ok] = peers_.emplace(id, std::move(p));
-  expiry_.emplace(now + window_s_, id);
   Peer& added = it->second;
+  expiry_.emplace(now + window_s_, &added.id);
+  by_id_[id] = &added;
   index(added);
+  if (!added.hello.listen.empty()) by_listen_.emplace(added.hello.listen, &added);
   return added;
 }
 
 void Registry::remove(const PeerId& id) {
   auto it = peers_.find(id);
   if (it == peers_.end()) return;
-  expiry_.erase({it->second.last_seen_s + window_s_, id});
+  expiry_.erase({it->second.last_seen_s + window_s_, &it->second.id});
   unindex(it->second);
+  for (auto [l, end] = by_listen_.equal_range(it->second.hello.listen); l != end; ++l)
+    if (l->second == &it->second) {
+      by_listen_.erase(l);
+      break;
+    }
+  by_id_.erase(id);
   peers_.erase(it);
 }
 
@@ -49,6 +58,7 @@ void Registry::unindex(const Peer& p) {
   auto b = by_stage_.find({p.job_id, p.stage});
   SWARM_CHECK(b != by_stage_.end() && b->second.peers.erase(p.seq) == 1, "peer " + p.hello.name + " is missing from the stage index");
   b->second.ready -= p.state == PeerState::kReady;
+  b->second.idle -= p.state == PeerState::kIdle;
   if (b->second.peers.empty()) by_stage_.erase(b);
 }
 
@@ -56,6 +66,7 @@ void Registry::index(Peer& p) {
   StageIndex& b = by_stage_[{p.job_id, p.stage}];
   b.peers[p.seq] = &p;
   b.ready += p.state == PeerState::kReady;
+  b.idle += p.state == PeerState::kIdle;
 }
 
 void Registry::place(Peer& p, uint64_t job, int stage) {
@@ -70,6 +81,7 @@ void Registry::set_state(Peer& p, PeerState s) {
   if (p.state == s) return;
   StageIndex& b = by_stage_.at({p.job_id, p.stage});
   b.ready = b.ready - (p.state == PeerState::kReady) + (s == PeerState::kReady);
+  b.idle = b.idle - (p.state == PeerState::kIdle) + (s == PeerState::kIdle);
   p.state = s;
 }
 
@@ -77,41 +89,57 @@ void Registry::check_index() const {
   size_t n = 0;
   for (const auto& [key, b] : by_stage_) {
     SWARM_CHECK(!b.peers.empty(), "an empty stage index entry");
-    size_t ready = 0;
+    size_t ready = 0, idle = 0;
     for (const auto& [seq, p] : b.peers) {
       SWARM_CHECK(p->job_id == key.first && p->stage == key.second && p->seq == seq,
                   "peer " + p->hello.name + " changed its job or stage without Registry::place");
       ready += p->state == PeerState::kReady;
+      idle += p->state == PeerState::kIdle;
       n++;
     }
-    SWARM_CHECK(ready == b.ready, "a peer changed its state without Registry::set_state");
+    SWARM_CHECK(ready == b.ready && idle == b.idle, "a peer changed its state without Registry::set_state");
   }
   SWARM_CHECK(n == peers_.size(), "the stage index does not hold every peer");
+  SWARM_CHECK(by_id_.size() == peers_.size(), "the index by id does not hold every peer");
+  for (const auto& [id, p] : peers_) {
+    const auto f = by_id_.find(id);
+    SWARM_CHECK(f != by_id_.end() && f->second == &p, "the index by id points at another record");
+  }
+  size_t listening = 0;
+  for (const auto& [id, p] : peers_) listening += !p.hello.listen.empty();
+  SWARM_CHECK(listening == by_listen_.size(), "the index by listen address does not hold every listening peer");
+  for (const auto& [listen, p] : by_listen_) SWARM_CHECK(p->hello.listen == listen, "peer " + p->hello.name + " changed its listen address");
 }
 
 Peer* Registry::find(const PeerId& id) {
-  auto it = peers_.find(id);
-  return it == peers_.end() ? nullptr : &it->second;
+  auto it = by_id_.find(id);
+  return it == by_id_.end() ? nullptr : it->second;
 }
 
 const Peer* Registry::find(const PeerId& id) const {
-  auto it = peers_.find(id);
-  return it == peers_.end() ? nullptr : &it->second;
+  auto it = by_id_.find(id);
+  return it == by_id_.end() ? nullptr : it->second;
 }
 
 void Registry::touch(const PeerId& id, double now) {
   Peer* p = find(id);
   if (!p || now <= p->last_seen_s) return;
-  expiry_.erase({p->last_seen_s + window_s_, id});
+  // The same entry moved to its new time: no allocation.
+  auto node = expiry_.extract({p->last_seen_s + window_s_, &p->id});
   p->last_seen_s = now;
-  expiry_.emplace(now + window_s_, id);
+  if (node.empty()) {
+    expiry_.emplace(now + window_s_, &p->id);
+  } else {
+    node.value().first = now + window_s_;
+    expiry_.insert(std::move(node));
+  }
 }
 
 std::vector<PeerId> Registry::expired(double now) const {
   std::vector<PeerId> out;
   for (const auto& [t, id] : expiry_) {
     if (t >= now) break;
-    out.push_back(id);
+    out.push_back(*id);
   }
   return out;
 }
@@ -161,6 +189,12 @@ std::vector<Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bo
 bool Registry::any_ready(uint64_t job, int stage) const {
   auto b = by_stage_.find({job, stage});
   return b != by_stage_.end() && b->second.ready > 0;
+}
+
+bool Registry::any_idle(uint64_t job) const {
+  for (auto b = by_stage_.lower_bound({job, std::numeric_limits<int>::min()}); b != by_stage_.end() && b->first.first == job; ++b)
+    if (b->second.idle > 0) return true;
+  return false;
 }
 
 std::vector<const Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bool ready_only) const {

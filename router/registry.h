@@ -15,6 +15,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "runtime/messages.h"
@@ -105,6 +106,14 @@ class Registry {
   // Whether a peer of `stage` of `job` is ready (stage_peers(...) is not empty), without a list:
   // O(log stages).
   bool any_ready(uint64_t job, int stage) const;
+  // Calls f(const Peer&) for each peer whose HELLO gave `listen` as the address others fetch
+  // from, in no particular order: one hash lookup.
+  template <class F>
+  void each_listening_at(const std::string& listen, F&& f) const {
+    for (auto [l, end] = by_listen_.equal_range(listen); l != end; ++l) f(*l->second);
+  }
+  // Whether a peer placed on `job` (any stage) is idle: O(stages of the job).
+  bool any_idle(uint64_t job) const;
   // Every peer's job and stage agree with the index (SWARM_CHECK; RouterCore::check_invariants).
   void check_index() const;
 
@@ -113,14 +122,24 @@ class Registry {
   uint64_t next_seq_ = 1;
   uint64_t bans_total_ = 0;
   std::map<PeerId, Peer> peers_;
-  std::set<std::pair<double, PeerId>> expiry_;   // (expiry time, id) of every peer
+  std::unordered_map<PeerId, Peer*> by_id_;   // find() without walking peers_ (kept in add and remove)
+  // (expiry time, id) of every peer, ordered by time then id; the id is the Peer record's own
+  // (stable until the record is erased), so that a touch on every message copies no string.
+  struct ByExpiry {
+    bool operator()(const std::pair<double, const PeerId*>& a, const std::pair<double, const PeerId*>& b) const {
+      return a.first != b.first ? a.first < b.first : *a.second < *b.second;
+    }
+  };
+  std::set<std::pair<double, const PeerId*>, ByExpiry> expiry_;
   // (job, stage) -> its peers by join order (seq); every peer is in exactly one entry, (0, -1)
   // while it serves no job. Pointers into peers_ (a std::map: stable until erased).
   struct StageIndex {
     std::map<uint64_t, Peer*> peers;   // by seq
     size_t ready = 0;                  // of them in PeerState::kReady
+    size_t idle = 0;                   // of them in PeerState::kIdle
   };
   std::map<std::pair<uint64_t, int>, StageIndex> by_stage_;
+  std::unordered_multimap<std::string, Peer*> by_listen_;   // hello.listen -> the peers that gave it (not "")
   void unindex(const Peer& p);
   void index(Peer& p);
 };

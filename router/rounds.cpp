@@ -104,20 +104,18 @@ msg::RoundRef Rounds::ref(int s) const {
 }
 
 void Rounds::count_bytes(Ctx& c, const wire::Message& m, const PeerId& receiver) {
-  auto name = [&](const PeerId& id) {
-    const Peer* p = c.peers.find(id);
-    return p ? p->hello.name : id;
-  };
+  const Peer* to = c.peers.find(receiver);
+  const std::string& name = to ? to->hello.name : receiver;
   for (const auto& t : m.tensors) {
     bytes_outer += t.desc.wire_bytes();
-    round_bytes_[name(receiver)].received += t.desc.wire_bytes();
+    round_bytes_[name].received += t.desc.wire_bytes();
   }
   for (const auto& r : m.refs) {
-    if (r.from == c.peers.find(receiver)->hello.listen) continue;  // its own: no link crossed
+    if (r.from == to->hello.listen) continue;  // its own: no link crossed
     bytes_outer += r.desc.wire_bytes();
-    round_bytes_[name(receiver)].received += r.desc.wire_bytes();
-    for (const auto& [id, p] : c.peers.all())
-      if (!p.hello.listen.empty() && p.hello.listen == r.from) round_bytes_[p.hello.name].sent += r.desc.wire_bytes();
+    round_bytes_[name].received += r.desc.wire_bytes();
+    if (!r.from.empty())
+      c.peers.each_listening_at(r.from, [&](const Peer& p) { round_bytes_[p.hello.name].sent += r.desc.wire_bytes(); });
   }
 }
 
@@ -356,6 +354,8 @@ void Rounds::reduce_part(Ctx& c, int s, int j) {
   static_cast<msg::RoundRef&>(body) = ref(s);
   body.shard = j;
   wire::Message m = msg::make(body);
+  m.tensors.reserve(st.members.size());
+  m.refs.reserve(st.members.size());
   st.contributors[size_t(j)].clear();
   for (const PeerId& id : st.members) {
     auto it = st.deltas.find(id);
@@ -392,6 +392,8 @@ void Rounds::apply(Ctx& c, int s) {
   body.samples = int64_t(samples);
   for (Peer* p : c.peers.stage_peers(job_, s, c.now)) {
     wire::Message m = msg::make(body);
+    m.tensors.reserve(size_t(st.shards));
+    m.refs.reserve(size_t(st.shards));
     for (int j = 0; j < st.shards; ++j) c.attach(m, st.means[size_t(j)], uint32_t(j));
     count_bytes(c, m, p->id);
     Pending pd;

@@ -110,9 +110,11 @@ void TrainingJob::start(Ctx& c) {
   // The rest most memory first, then fastest (placement_order): the heaviest stages go to the
   // biggest devices.
   auto pass_of = [](const Peer& p) { return p.hello.stage >= 0 ? 0 : p.hello.prefer_stage >= 0 ? 1 : 2; };
+  StartView sv;
+  sv.reg = placement_view(c.peers, c.now, &sv.seq);
   for (int pass = 0; pass < 2; ++pass)
     for (auto& [id, p] : c.peers.all())
-      if (pass_of(p) == pass && wants(p)) assign(c, p);
+      if (pass_of(p) == pass && wants(p)) assign(c, p, &sv);
   std::vector<Peer*> rest;
   std::vector<PeerView> views;
   for (auto& [id, p] : c.peers.all())
@@ -120,7 +122,7 @@ void TrainingJob::start(Ctx& c) {
       rest.push_back(&p);
       views.push_back(view_of(p));
     }
-  for (size_t i : placement_order(views)) assign(c, *rest[i]);
+  for (size_t i : placement_order(views)) assign(c, *rest[i], &sv);
   c.info("job " + std::to_string(id_) + " starting: " + std::to_string(S_) + " stage(s), " + std::to_string(c.peers.size()) + " peer(s)");
 }
 

@@ -81,13 +81,21 @@ class TrainingJob : public Job {
   void history(nlohmann::json entry);
 
   // membership.cpp: peers.
-  void assign(Ctx& c, Peer& p);
+  // The placement view a job start keeps while it assigns every peer: placement_view once, then
+  // each peer placed added where placement_view would put it (join order), so that a start
+  // makes the same choices without rebuilding the view of every peer for each peer.
+  struct StartView {
+    swarm::Registry reg;
+    std::vector<uint64_t> seq;   // Peer::seq of reg.peers, ascending
+  };
+  void assign(Ctx& c, Peer& p, StartView* start = nullptr);
   void send_load(Ctx& c, Peer& p);
   void on_loaded(Ctx& c, Peer& p, wire::Message& m);
   void start_sync(Ctx& c, Peer& p, const PeerId& donor = {});
   void restore_from_snapshot(Ctx& c, Peer& p);
   void on_state_reply(Ctx& c, Peer& donor, const Pending& pd, wire::Message& m);
-  swarm::Registry placement_view(const Registry& peers, double now) const;
+  swarm::Registry placement_view(const Registry& peers, double now, std::vector<uint64_t>* seq = nullptr) const;
+  PeerView placed_view(const Peer& p, const Registry& peers, double now) const;   // one peer of placement_view
   PeerView view_of(const Peer& p) const;     // a peer's speed, memory and precision for placement
   void maybe_rebalance(Ctx& c);
 
