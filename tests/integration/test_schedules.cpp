@@ -25,6 +25,10 @@ std::vector<int64_t> adam_steps_after(const std::string& schedule) {
   const std::string dir = temp_dir();
   json spec = tiny_job(write_text(dir), 2, kSteps, schedule);
   spec["diloco"]["warm_start_steps"] = 4;
+  // Both peers of each stage serve from the first step and share the work evenly (fixed
+  // pipelines: microbatch k on pipeline k mod 2): the counts below depend on who served what.
+  // With `swarm` routing a 24-step job (half a second) once ran almost all on one peer.
+  spec["routing"] = {{"mode", "static"}, {"start_peers", 2}};
   spec["checkpoint"] = {{"dir", dir + "/ckpt"}};
   LocalSwarm swarm(dir, kBuild);
   swarm.start_router();
@@ -56,10 +60,10 @@ std::vector<int64_t> adam_steps_after(const std::string& schedule) {
 }  // namespace
 
 TEST(Schedules, AsyncStepsOncePerJobStepAsyncLocalPerInnerBatch) {
-  // 4 dense steps, then 20 of 4 microbatches over 2 peers: under async a peer steps at every job
-  // step it served a microbatch of (the dispatcher may give a step's 4 all to the other peer
-  // now and then); under async_local every batch_size (16) of its own samples: 320 samples
-  // over 2 peers, about 10 times each.
+  // 4 dense steps, then 20 of 4 microbatches over 2 fixed pipelines: under async a peer steps at
+  // every job step it served a microbatch of (every step, 24 in all, unless a hop was resent);
+  // under async_local every batch_size (16) of its own samples: 320 samples over 2 peers, 10
+  // times each (14 in all).
   for (int64_t n : adam_steps_after("async")) {
     EXPECT_GE(n, 4 + 14) << "async";
     EXPECT_LE(n, kSteps) << "async";
