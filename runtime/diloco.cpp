@@ -35,38 +35,40 @@ int fragment_due(int steps_done, int H, int F) {
   return -1;
 }
 
-std::vector<size_t> outliers(const std::vector<std::vector<float>>& ds, const std::vector<double>& weights, bool grad_sums,
-                             double factor) {
+Outliers outliers(const std::vector<std::vector<float>>& ds, const std::vector<double>& weights, bool grad_sums) {
+  Outliers out;
+  if (ds.size() < 2) return out;
   // Δs by their norms, not norms per sample: an inner step divides its gradient sum by the samples
   // it saw, so a Δ grows with the inner steps taken (the same for the group), not with the samples
   // served. Per sample, a peer that served few microbatches looked like a liar.
-  std::vector<double> scores(ds.size(), 0.0), reference;
+  std::vector<double> scores(ds.size(), 0.0), w(ds.size(), 0.0);
   std::vector<bool> counted(ds.size(), false);
   double max_w = 0;
+  size_t n_counted = 0;
   for (size_t k = 0; k < ds.size(); ++k) {
     double s = 0;
     for (float v : ds[k]) s += double(v) * double(v);
-    const double w = k < weights.size() ? weights[k] : 0.0;
-    scores[k] = grad_sums ? std::sqrt(s) / std::sqrt(std::max(w, 1.0)) : std::sqrt(s);
-    counted[k] = grad_sums || w > 0;
-    if (counted[k] && std::isfinite(scores[k])) max_w = std::max(max_w, w);
+    w[k] = k < weights.size() ? weights[k] : 0.0;
+    scores[k] = grad_sums ? std::sqrt(s) / std::sqrt(std::max(w[k], 1.0)) : std::sqrt(s);
+    counted[k] = (grad_sums || w[k] > 0) && std::isfinite(scores[k]);
+    if (counted[k]) {
+      n_counted++;
+      max_w = std::max(max_w, w[k]);
+    }
   }
   // The yardstick is the peers that trained about as much as the most (half its samples or
   // more): one that joined late took fewer inner steps, and its small Δ must not make the
   // others look outsized.
-  size_t n_counted = 0;
-  for (size_t k = 0; k < ds.size(); ++k) {
-    if (!counted[k] || !std::isfinite(scores[k])) continue;
-    n_counted++;
-    const double w = k < weights.size() ? weights[k] : 0.0;
-    if (scores[k] > 0 && w >= 0.5 * max_w) reference.push_back(scores[k]);
-  }
-  std::vector<size_t> out;
-  if (ds.size() < 2) return out;
-  std::sort(reference.begin(), reference.end());
-  const double bound = n_counted >= 2 && !reference.empty() ? factor * reference[(reference.size() - 1) / 2] : HUGE_VAL;
+  std::vector<double> reference;
   for (size_t k = 0; k < ds.size(); ++k)
-    if (!std::isfinite(scores[k]) || (counted[k] && scores[k] > bound)) out.push_back(k);
+    if (counted[k] && scores[k] > 0 && w[k] >= 0.5 * max_w) reference.push_back(scores[k]);
+  std::sort(reference.begin(), reference.end());
+  const double median = n_counted >= 2 && !reference.empty() ? reference[(reference.size() - 1) / 2] : HUGE_VAL;
+  for (size_t k = 0; k < ds.size(); ++k) {
+    const bool finite = std::isfinite(scores[k]);
+    if (!finite || (counted[k] && scores[k] > kOutlierFactor * median)) out.left_out.push_back(k);
+    if (!finite || (counted[k] && scores[k] > kBlameFactor * median)) out.far.push_back(k);
+  }
   return out;
 }
 

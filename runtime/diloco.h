@@ -19,7 +19,7 @@ void accumulate(std::vector<float>& sum, const float* d, size_t n, float w);
 
 // The contributions a round leaves out (docs/security.md): with two or more contributions, any
 // non-finite one and one whose score exceeds kOutlierFactor times the lower median score of the
-// contributions that trained at least half as much as the most (by weight). Returns their indices. The score of an outer
+// contributions that trained at least half as much as the most (by weight). The score of an outer
 // gradient Δ is its L2 norm, counted only at positive weight (weight 0: it is not in the mean):
 // honest peers of a group take the same inner steps from the same weights on the same data, so
 // their norms are within a small factor of each other. The score of a gradient sum (`grad_sums`,
@@ -32,8 +32,11 @@ void accumulate(std::vector<float>& sum, const float* d, size_t n, float w);
 // score over kBlameFactor times the yardstick (or not finite), far past any honest spread.
 constexpr double kOutlierFactor = 4.0;
 constexpr double kBlameFactor = 1000.0;
-std::vector<size_t> outliers(const std::vector<std::vector<float>>& ds, const std::vector<double>& weights, bool grad_sums = false,
-                             double factor = kOutlierFactor);
+struct Outliers {
+  std::vector<size_t> left_out;   // over kOutlierFactor x the yardstick, or not finite
+  std::vector<size_t> far;        // of those, over kBlameFactor x (or not finite)
+};
+Outliers outliers(const std::vector<std::vector<float>>& ds, const std::vector<double>& weights, bool grad_sums = false);
 
 // m <- mu * m + d; theta_g <- theta_g - lr * (nesterov ? d + mu * m : m). With lr 1 and mu 0
 // that is theta_g <- theta_g - d: for d = theta_g - theta, the plain (weighted) average of the

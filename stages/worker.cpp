@@ -736,8 +736,8 @@ struct Worker::Impl {
     // median, or not finite, is left out of the sum and reported. In a "grad" round the weights
     // are the samples the router counted, for the outlier test only: the sum is plain.
     const bool grad = b.what == msg::RoundWhat::kGrad;
-    const std::vector<size_t> out = diloco::outliers(ds, b.weights, grad);
-    const std::vector<size_t> far = diloco::outliers(ds, b.weights, grad, diloco::kBlameFactor);
+    const diloco::Outliers found = diloco::outliers(ds, b.weights, grad);
+    const std::vector<size_t>& out = found.left_out;
     std::vector<float> sum;
     double total = 0;
     for (size_t k = 0; k < ds.size(); ++k) {
@@ -754,7 +754,7 @@ struct Worker::Impl {
     r.round = b.round;
     r.stage = stage_;
     r.outliers.assign(out.begin(), out.end());
-    r.far.assign(far.begin(), far.end());
+    r.far.assign(found.far.begin(), found.far.end());
     Message rep = msg::make(r, req.id, req.attempt);
     std::string key = std::string("mean:") + msg::round_what_name(b.what) + ":" + std::to_string(b.fragment);
     if (b.shards > 1) key += ":" + std::to_string(bounds[size_t(b.shard)]) + "-" + std::to_string(bounds[size_t(b.shard) + 1]);

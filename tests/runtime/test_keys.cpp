@@ -77,31 +77,31 @@ TEST(Keys, ARoutingIdIsTheKeysOwn) {
 
 TEST(Outliers, AnOutsizedOrNonFiniteContributionIsLeftOutAndReported) {
   // The lower median of {1, 1.2, 1.4e6} is 1.2: 1.4e6 is over 4 x 1.2.
-  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1.2f}, {1e6f, 1e6f}}, {1, 1, 1}), std::vector<size_t>{2});
-  EXPECT_TRUE(diloco::outliers({{1, 0}, {0, 1.2f}, {3, 3}}, {1, 1, 1}).empty());   // 4.24 < 4.8: kept
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1.2f}, {1e6f, 1e6f}}, {1, 1, 1}).left_out, std::vector<size_t>{2});
+  EXPECT_TRUE(diloco::outliers({{1, 0}, {0, 1.2f}, {3, 3}}, {1, 1, 1}).left_out.empty());   // 4.24 < 4.8: kept
   // Two peers: the lower median is the smaller norm, so the larger one cannot run away.
-  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 100}}, {1, 1}), std::vector<size_t>{1});
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 100}}, {1, 1}).left_out, std::vector<size_t>{1});
   // Non-finite ones always go; a lone contribution never does (one peer: exact).
-  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {NAN, 0}}, {1, 1, 1}), std::vector<size_t>{2});
-  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {INFINITY, 0}}, {1, 1, 0}), std::vector<size_t>{2});
-  EXPECT_TRUE(diloco::outliers({{1e9f}}, {1}).empty());
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {NAN, 0}}, {1, 1, 1}).left_out, std::vector<size_t>{2});
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {INFINITY, 0}}, {1, 1, 0}).left_out, std::vector<size_t>{2});
+  EXPECT_TRUE(diloco::outliers({{1e9f}}, {1}).left_out.empty());
   // Norms, not norms per sample: a peer that served a tenth of the samples in the same inner steps
   // has a Δ of the same size, and is not left out; weight 0 (no inner step) is never an outlier.
-  EXPECT_TRUE(diloco::outliers({{3, 0}, {0, 1}}, {100, 10}).empty());
-  EXPECT_EQ(diloco::outliers({{3, 0}, {0, 1}, {0, 1e3f}}, {100, 10, 100}), std::vector<size_t>{2});
-  EXPECT_TRUE(diloco::outliers({{3, 0}, {0, 1}, {0, 1e3f}}, {100, 10, 0}).empty());
+  EXPECT_TRUE(diloco::outliers({{3, 0}, {0, 1}}, {100, 10}).left_out.empty());
+  EXPECT_EQ(diloco::outliers({{3, 0}, {0, 1}, {0, 1e3f}}, {100, 10, 100}).left_out, std::vector<size_t>{2});
+  EXPECT_TRUE(diloco::outliers({{3, 0}, {0, 1}, {0, 1e3f}}, {100, 10, 0}).left_out.empty());
   // Counted against a peer only far past any honest spread (kBlameFactor), or not finite.
-  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1.2f}, {1e6f, 1e6f}}, {1, 1, 1}, false, diloco::kBlameFactor), std::vector<size_t>{2});
-  EXPECT_TRUE(diloco::outliers({{1, 0}, {0, 1}, {0, 50}}, {1, 1, 1}, false, diloco::kBlameFactor).empty());
-  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {NAN, 0}}, {1, 1, 1}, false, diloco::kBlameFactor), std::vector<size_t>{2});
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1.2f}, {1e6f, 1e6f}}, {1, 1, 1}).far, std::vector<size_t>{2});
+  EXPECT_TRUE(diloco::outliers({{1, 0}, {0, 1}, {0, 50}}, {1, 1, 1}).far.empty());
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {NAN, 0}}, {1, 1, 1}).far, std::vector<size_t>{2});
   // The yardstick is the peers that trained at least half as much as the most: a newcomer's
   // small Δ (it synced one step ago) does not make the peer that trained all along an outlier.
-  EXPECT_TRUE(diloco::outliers({{0, 5}, {1, 0}}, {500, 100}).empty());
-  EXPECT_EQ(diloco::outliers({{0, 5}, {1, 0}, {0, 1e4f}}, {500, 100, 50}), std::vector<size_t>{2});
+  EXPECT_TRUE(diloco::outliers({{0, 5}, {1, 0}}, {500, 100}).left_out.empty());
+  EXPECT_EQ(diloco::outliers({{0, 5}, {1, 0}, {0, 1e4f}}, {500, 100, 50}).left_out, std::vector<size_t>{2});
   // Gradient sums by norm / sqrt(samples): 16 samples with a sum 4x as long as 1 sample's is
   // honest (scores 1 and 1), a sum 10^6 x as long is not, whatever the samples it claims.
-  EXPECT_TRUE(diloco::outliers({{1, 0}, {0, 4}}, {1, 16}, true).empty());
-  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 4}, {1e6f, 0}}, {1, 16, 16}, true), std::vector<size_t>{2});
+  EXPECT_TRUE(diloco::outliers({{1, 0}, {0, 4}}, {1, 16}, true).left_out.empty());
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 4}, {1e6f, 0}}, {1, 16, 16}, true).left_out, std::vector<size_t>{2});
   // At weight 0 a sum counts as one sample: an honest peer with nothing served sends zeros.
-  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {0, 0}, {0, 50}}, {1, 1, 0, 0}, true), std::vector<size_t>{3});
+  EXPECT_EQ(diloco::outliers({{1, 0}, {0, 1}, {0, 0}, {0, 50}}, {1, 1, 0, 0}, true).left_out, std::vector<size_t>{3});
 }
