@@ -60,6 +60,8 @@ void World::join(int i) {
   p.ms_per_unit = 0;
   p.busy_until = now;
   p.host.up.free_s = p.host.down.free_s = now;
+  p.host.up.ends.clear();
+  p.host.down.ends.clear();
   if (p.generation > 1) {
     rejoins++;
     line({{"event", "rejoin"}, {"t_s", now}, {"peer", p.name}, {"id", p.id}});

@@ -95,14 +95,22 @@ double World::transfer(Host& a, Host& b, uint64_t bytes, double t) {
     b.down.bytes += bytes;
     return t + dur + a.latency_s + b.latency_s;
   }
-  // Bulk: both ends carry it at the slower one's rate, each after what it already carries (FIFO).
-  const double start = std::max({t, a.up.free_s, b.down.free_s});
-  a.up.free_s = b.down.free_s = start + dur;
+  // Bulk: both ends carry it at the slower one's rate, sharing each with what it carries already.
+  const double end = std::max(a.up.carry(t, dur), b.down.carry(t, dur));
   a.up.bytes += bytes;
   b.down.bytes += bytes;
-  a.up.busy_s += dur;
-  b.down.busy_s += dur;
-  return start + dur + a.latency_s + b.latency_s;
+  return end + a.latency_s + b.latency_s;
+}
+
+double Pipe::carry(double t, double dur) {
+  ends.erase(std::remove_if(ends.begin(), ends.end(), [t](double e) { return e <= t; }), ends.end());
+  const double fair = t + double(ends.size() + 1) * dur;
+  const double after_queue = std::max(t, free_s) + dur;
+  free_s = after_queue;
+  busy_s += dur;
+  const double end = std::min(fair, after_queue);
+  ends.push_back(end);
+  return end;
 }
 
 template <class F>
@@ -216,6 +224,8 @@ void World::router_up() {
   core = std::make_unique<router::RouterCore>(core_opt);
   router_alive = true;
   router_host.up.free_s = router_host.down.free_s = now;
+  router_host.up.ends.clear();
+  router_host.down.ends.clear();
   // The state dir as the server reads it: <state dir>/jobs/<id>/job.json.
   std::vector<router::StoredJob> stored;
   const std::string prefix = core_opt.state_dir + "/jobs/";

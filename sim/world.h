@@ -21,12 +21,18 @@
 
 namespace swarm::sim {
 
-// One direction of a host's connection: transfers queue on it, first come first served.
+// One direction of a host's connection. Transfers share it as TCP flows do (each gets a fair
+// share while the others last), approximated without rescheduling anything: a new transfer ends
+// at the sooner of (n + 1) x its own time, with n transfers in progress, and the end of
+// everything queued before it plus its own time; the link's total work is conserved.
 struct Pipe {
-  double bps = 1e9;      // bits per second
-  double free_s = 0;     // when the transfer queued last ends
-  uint64_t bytes = 0;    // carried so far
-  double busy_s = 0;     // time spent carrying them
+  double bps = 1e9;            // bits per second
+  double free_s = 0;           // when everything it carries now would end, one after another
+  std::vector<double> ends;    // when each transfer in progress ends
+  uint64_t bytes = 0;          // carried so far
+  double busy_s = 0;           // time spent carrying them
+  // A transfer of `dur` seconds (at the rate it gets alone) starting at `t`: when it ends here.
+  double carry(double t, double dur);
 };
 // Messages up to this size [bytes] are control traffic: they do not queue behind bulk transfers.
 constexpr uint64_t kControlBytes = 16 << 10;

@@ -1,7 +1,7 @@
 // test_sim.cpp: the simulator (sim/simulator.h) with the router's real core: the same seed gives
 // the same trace byte for byte, a stage that loses its last peer pauses the job and resumes it,
 // scenarios are checked field by field, and every scenario of the regression corpus
-// (examples/sim/*.json) meets its own `expect`.
+// (examples/sim/*.json) meets its own `expect`; a link shares its rate between transfers.
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "sim/simulator.h"
+#include "sim/world.h"
 
 namespace swarm::sim {
 namespace {
@@ -16,6 +17,22 @@ namespace {
 using nlohmann::json;
 
 const std::string kCorpus = std::string(SWARM_SOURCE_DIR) + "/examples/sim";
+
+// A link carries transfers side by side, as TCP flows share it: a small transfer that starts
+// behind a large one ends long before it, and the large one ends when both would have ended one
+// after the other (the link's work is conserved).
+TEST(Sim, ALinkSharesItsRateSoASmallTransferDoesNotWaitBehindALargeOne) {
+  Pipe link;
+  const double big = link.carry(0.0, 8.0);     // 8 s alone
+  const double small = link.carry(1.0, 0.01);  // 10 ms alone, starting 1 s later
+  EXPECT_DOUBLE_EQ(big, 8.0);
+  EXPECT_NEAR(small, 1.02, 1e-9);              // half the rate while the large one lasts
+  EXPECT_LT(small, big);
+  EXPECT_NEAR(link.free_s, 8.01, 1e-9);
+  // Once everything ended, a transfer has the link to itself again.
+  EXPECT_NEAR(link.carry(20.0, 1.0), 21.0, 1e-9);
+  EXPECT_NEAR(link.busy_s, 9.01, 1e-9);
+}
 
 // The whole trace of a run, one JSON line per event.
 std::string trace_of(const Scenario& s, std::optional<uint64_t> seed = std::nullopt) {
