@@ -198,6 +198,15 @@ int64_t StageModel::num_parameters() const {
   return n;
 }
 
+void StageModel::swap_weights(std::vector<torch::Tensor>& data) {
+  SWARM_CHECK(data.size() == params_.size(), "swap_weights needs one tensor per parameter");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    torch::Tensor held = params_[i].second.detach();
+    params_[i].second.set_data(data[i]);
+    data[i] = held;
+  }
+}
+
 void StageModel::to_dtype(torch::ScalarType dtype) {
   torch::NoGradGuard no_grad;
   compute_ = dtype;

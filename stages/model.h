@@ -61,6 +61,11 @@ class StageModel {
   const std::vector<std::pair<std::string, torch::Tensor>>& named_parameters() const { return params_; }
   std::vector<torch::Tensor> parameters() const;
   int64_t num_parameters() const;
+  // Exchanges each parameter's data with data[i] (same shapes, dtypes and devices; set_data, no
+  // copy, no autograd version bump). A graph recorded while `data` was swapped in computes its
+  // backward on `data` again once it is swapped back in, whatever was written into the
+  // parameters' own data in between: the weight versions of the async schedule.
+  void swap_weights(std::vector<torch::Tensor>& data);
   torch::Device device() const { return device_; }
   torch::ScalarType compute_type() const { return compute_; }
   AttentionImpl attention() const { return attention_; }

@@ -208,6 +208,9 @@ struct Worker::Impl {
     if (b.stage >= spec.partition.stages) throw WireError(WireErrc::kMalformed, "stage " + std::to_string(b.stage) + " out of range");
     stats_.ready = false;
     cache_.clear();
+    snapshots_.clear();
+    velocity_.clear();
+    staleness_ = 0;
     spec_ = spec;
     job_id_ = b.job_id;
     stage_ = b.stage;
@@ -375,7 +378,14 @@ struct Worker::Impl {
     if (last) throw WireError(WireErrc::kOutOfOrder, "the last stage takes FORWARD_LOSS, not FORWARD");
     stats_.forwards++;
     if (!model_->is_first()) x.requires_grad_(true);
-    torch::Tensor out = model_->forward(x);
+    torch::Tensor out;
+    {
+      // async: on the snapshot of this version's weights, which no step writes into, so the
+      // graph stays the gradient of what the next stage receives (weight versions below).
+      SetAside current{this, {}};
+      if (spec_.schedule == Schedule::kAsync) current.swap(snapshot(version_));
+      out = model_->forward(x);
+    }
     Message rep = result(req, h, msg::Result{});
     rep.tensors.push_back(timed(codec_time_.act_enc, [&] { return encode_act(emit(out)); }));
     remember(h.mb, req.tensors[0].desc.checksum, x, out);
@@ -390,7 +400,7 @@ struct Worker::Impl {
     }
     while (cache_.size() >= opt_.cache_entries) cache_.pop_front();
     cache_.push_back(CacheEntry{mb, checksum, std::move(x), std::move(out), now, version_});
-    drop_unused_stashes();
+    drop_unused_snapshots();
   }
 
   Message forward_loss(Message& req) {
@@ -431,33 +441,17 @@ struct Worker::Impl {
     before_backward(h.mb);
     torch::Tensor x, out;
     bool cached = false;
-    // This peer's weights, set aside while a stashed version computes; put back whatever happens.
-    struct SetAside {
-      Impl* impl;
-      std::vector<torch::Tensor> data;
-      void put_back() {
-        if (!data.empty()) impl->swap_data(data);
-        data.clear();
-      }
-      ~SetAside() { put_back(); }
-    } current{this, {}};
+    SetAside current{this, {}};
     for (auto it = cache_.begin(); it != cache_.end(); ++it) {
       if (it->mb == h.mb && it->input_checksum == req.tensors[0].desc.checksum) {
-        auto stash = stashes_.find(it->version);
-        // Other schedules step only at barriers (sync), or keep the graph as it is (async_local).
-        if (it->version == version_ || spec_.schedule != Schedule::kAsync) {
+        auto snap = snapshots_.find(it->version);
+        if (spec_.schedule != Schedule::kAsync || snap != snapshots_.end()) {
+          // async: the weights the forward ran on go back in for the backward (a pointer swap);
+          // the gradient adds to the current step, `version_ - it->version` steps late.
+          if (snap != snapshots_.end()) current.swap(snap->second);
           x = it->input;
           out = it->output;
           cached = true;
-        } else if (stash != stashes_.end()) {
-          // The weights stepped since this forward, in place under its graph: recompute the
-          // forward on the weights it ran on (weight stashing, PipeDream), so the backward is
-          // the gradient of what the next stage received. The gradient adds to the current step.
-          current.data = swap_in(stash->second);
-          x = it->input.detach();
-          if (!model_->is_first()) x.requires_grad_(true);
-          out = model_->forward(x);
-          stats_.recomputes++;
           stale_samples_ += int64_t(version_ - it->version) * x.size(0);
         }
         cache_.erase(it);
@@ -481,30 +475,63 @@ struct Worker::Impl {
     r.samples = samples;
     const torch::Tensor gx = finish_backward(x, r);
     current.put_back();
-    drop_unused_stashes();
+    drop_unused_snapshots();
     Message rep = result(req, h, r);
     if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_grad(emit(gx)); }));
     accumulate(samples, h.mb);
     return rep;
   }
 
-  // Before the weights change in place (an optimizer step): the affinity cache's graphs that ran
-  // on these weights keep a copy of them for their backwards (async: the microbatches in flight).
-  void before_weights_change() {
-    for (const CacheEntry& e : cache_) {
-      if (spec_.schedule != Schedule::kAsync) break;
-      if (e.version != version_) continue;
-      stashes_[version_] = flatten();
-      break;
+  // Weight versions (async; PipeDream-2BW's, without its recompute). Every training forward of
+  // version v runs on snapshot v: a copy of the weights, swapped into the parameters for the
+  // forward and again for its backward (StageModel::swap_weights: no copy), so an
+  // optimizer step writing into the weights in place never reaches a graph the affinity cache
+  // holds, and a backward needs no recompute however many steps it is late. A snapshot lives
+  // while a cached graph ran on it. With weight prediction (SpecTrain), snapshot v is the
+  // weights extrapolated along the last inner update by the measured staleness: a forward runs
+  // on about the weights its gradient will be applied to.
+  struct SetAside {
+    Impl* impl;
+    std::vector<torch::Tensor> data;  // this peer's weights while others are swapped in
+    void swap(const std::vector<torch::Tensor>& other) {
+      put_back();
+      data = other;
+      impl->model_->swap_weights(data);
     }
-    version_++;
+    void put_back() {
+      if (!data.empty()) impl->model_->swap_weights(data);
+      data.clear();
+    }
+    ~SetAside() { put_back(); }
+  };
+
+  const std::vector<torch::Tensor>& snapshot(uint64_t v) {
+    auto it = snapshots_.find(v);
+    if (it != snapshots_.end()) return it->second;
+    torch::NoGradGuard ng;
+    std::vector<torch::Tensor> snap;
+    const double ahead = staleness_;
+    size_t i = 0;
+    for (const auto& [name, p] : model_->named_parameters()) {
+      torch::Tensor c = p.detach().clone();
+      if (ahead > 0 && i < velocity_.size()) c.add_(velocity_[i], ahead);
+      snap.push_back(c);
+      i++;
+    }
+    return snapshots_.emplace(v, std::move(snap)).first->second;
   }
 
-  void drop_unused_stashes() {
-    for (auto it = stashes_.begin(); it != stashes_.end();) {
-      bool used = false;
+  // Before the weights change in place (an optimizer step, a round): a new version.
+  void before_weights_change() {
+    version_++;
+    velocity_.clear();
+  }
+
+  void drop_unused_snapshots() {
+    for (auto it = snapshots_.begin(); it != snapshots_.end();) {
+      bool used = it->first == version_;
       for (const CacheEntry& e : cache_) used |= e.version == it->first;
-      it = used ? std::next(it) : stashes_.erase(it);
+      it = used ? std::next(it) : snapshots_.erase(it);
     }
   }
 
@@ -561,9 +588,26 @@ struct Worker::Impl {
     const int64_t lr_step = spec_.schedule == Schedule::kAsync ? int64_t(held_step_) - 1 : -1;
     // Staleness-aware (PipeMare): divided by 1 + the mean number of this peer's steps between a
     // sample's forward and this step, as measured on the affinity cache.
-    const double lr_factor = spec_.schedule == Schedule::kAsync ? 1.0 / (1.0 + double(stale_samples_) / double(accum_samples_)) : 1.0;
+    const bool async = spec_.schedule == Schedule::kAsync;
+    const double mean_stale = double(stale_samples_) / double(accum_samples_);
+    const double lr_factor = async ? 1.0 / (1.0 + mean_stale) : 1.0;
+    // async: the update this step makes, and how late its samples were, predict the weights of
+    // the next version's forwards (snapshot()).
+    std::vector<torch::Tensor> before;
+    if (async) {
+      staleness_ = mean_stale;
+      for (const auto& [name, p] : model_->named_parameters()) before.push_back(p.detach().clone());
+    }
     before_weights_change();
     const double norm = optim_->step(accum_samples_, scale, lr_step, lr_factor);
+    if (async) {
+      size_t i = 0;
+      for (const auto& [name, p] : model_->named_parameters()) {
+        velocity_.push_back(p.detach() - before[i]);
+        i++;
+      }
+    }
+    drop_unused_snapshots();
     stale_samples_ = 0;
     log_debug("stage", "inner step " + std::to_string(optim_->steps_taken()) + " on " + std::to_string(accum_samples_) +
                            " samples, gradient norm " + std::to_string(norm));
@@ -595,33 +639,6 @@ struct Worker::Impl {
       flat.insert(flat.end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
     }
     return flat;
-  }
-
-  // Puts `flat` in place of the parameters without writing into them, and returns what they
-  // held (for swap_data). Not load_flat: a write in place bumps each parameter's autograd version,
-  // and every graph of the affinity cache that ran on the current weights would then refuse its
-  // backward ("modified by an inplace operation"). set_data keeps the version.
-  std::vector<torch::Tensor> swap_in(const std::vector<float>& flat) {
-    torch::NoGradGuard ng;
-    std::vector<torch::Tensor> data;
-    size_t off = 0;
-    for (const auto& [name, p] : model_->named_parameters()) {
-      torch::Tensor src = torch::from_blob(const_cast<float*>(flat.data() + off), p.sizes(), torch::kFloat32);
-      data.push_back(src.to(p.device(), p.scalar_type(), /*non_blocking=*/false, /*copy=*/true));
-      off += size_t(p.numel());
-    }
-    SWARM_CHECK(off == flat.size(), "flat parameter vector size");
-    swap_data(data);
-    return data;
-  }
-  // Exchanges each parameter's data with data[i] (same shapes, dtypes and devices).
-  void swap_data(std::vector<torch::Tensor>& data) {
-    size_t i = 0;
-    for (const auto& [name, p] : model_->named_parameters()) {
-      torch::Tensor held = p.detach();
-      p.set_data(data[i]);
-      data[i++] = held;
-    }
   }
 
   void load_flat(const std::vector<float>& flat) {
@@ -981,8 +998,10 @@ struct Worker::Impl {
   std::unique_ptr<compression::ErrorFeedback> outer_ef_ = std::make_unique<compression::ErrorFeedback>();  // what a lossy outer codec has not sent yet
   std::list<CacheEntry> cache_;
   int64_t stale_samples_ = 0;  // sum over the held samples of the steps between their forward and now
-  uint64_t version_ = 0;                              // counts this peer's in-place weight changes
-  std::map<uint64_t, std::vector<float>> stashes_;    // weights of earlier versions the cache's graphs ran on (flat fp32)
+  uint64_t version_ = 0;                                       // counts this peer's in-place weight changes
+  std::map<uint64_t, std::vector<torch::Tensor>> snapshots_;   // async: the weights each version's forwards ran on
+  std::vector<torch::Tensor> velocity_;  // the last inner step's update (empty after any other change)
+  double staleness_ = 0;                 // the last step's mean steps between its samples' forwards and it
 };
 
 Worker::Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults, const DeviceCaps& caps)

@@ -1,5 +1,6 @@
 // test_optim.cpp: swarm::AdamW and lr_at against torch.optim.AdamW's numbers and the schedule's
-// endpoints; graphs built before a step still run backward after it; optimizer state round
+// endpoints; graphs built before a step still run backward after it, and on a swapped-in
+// snapshot give that snapshot's gradients; optimizer state round
 // trip; swarm::train_reference learns a tiny text, identically for any partition.
 #include <cmath>
 #include <filesystem>
@@ -151,6 +152,55 @@ TEST(AdamW, GraphBuiltBeforeAStepStillRunsBackward) {
   opt_last.step(2);
   ASSERT_NO_THROW(loss_kept.backward());
   EXPECT_TRUE(a.grad().defined());
+}
+
+// Weight versions (the async schedule): a graph recorded on a snapshot of the weights, swapped
+// in for the forward and again for the backward, computes exactly the gradients of the snapshot
+// after an optimizer step wrote into the live weights in place: the same as a model that holds
+// the snapshot's weights computes afresh. A libtorch that saved parameters by value, or a step
+// that reached the snapshot, would fail here.
+TEST(AdamW, AGraphOnASwappedInSnapshotGivesTheSnapshotsGradientsAfterAStep) {
+  ModelSpec spec;
+  spec.vocab_size = 32;
+  spec.d_model = 16;
+  spec.n_head = 2;
+  spec.n_layer = 2;
+  spec.seq_len = 8;
+  StageModel live(spec, 1, 3, 1, 1, 1);  // a middle stage: activations in, activations out
+  AdamW opt(live.named_parameters(), adam_spec(), 10);
+  torch::manual_seed(0);
+  torch::Tensor x = torch::randn({2, 8, 16}).requires_grad_(true);
+  torch::Tensor g = torch::randn({2, 8, 16});
+  std::vector<torch::Tensor> snapshot;
+  for (const auto& np : live.named_parameters()) snapshot.push_back(np.second.detach().clone().add_(0.01));
+  // The forward on the snapshot, then the live weights back.
+  std::vector<torch::Tensor> swap = snapshot;
+  live.swap_weights(swap);
+  torch::Tensor out = live.forward(x);
+  live.swap_weights(swap);
+  // A step in place on the live weights (another microbatch's gradients).
+  live.forward(torch::randn({2, 8, 16})).pow(2).sum().backward();
+  opt.step(2);
+  opt.zero_grad();
+  // The backward with the snapshot swapped in again.
+  swap = snapshot;
+  live.swap_weights(swap);
+  out.backward(g);
+  live.swap_weights(swap);
+  // Afresh: a model holding the snapshot's weights.
+  StageModel fresh(spec, 1, 3, 1, 1, 1);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < snapshot.size(); ++i) fresh.named_parameters()[i].second.copy_(snapshot[i]);
+  }
+  torch::Tensor x2 = x.detach().clone().requires_grad_(true);
+  fresh.forward(x2).backward(g);
+  EXPECT_TRUE(torch::allclose(x.grad(), x2.grad(), 1e-5, 1e-6));
+  for (size_t i = 0; i < snapshot.size(); ++i) {
+    const auto& [name, p] = live.named_parameters()[i];
+    EXPECT_TRUE(torch::allclose(p.grad(), fresh.named_parameters()[i].second.grad(), 1e-5, 1e-6)) << name;
+    EXPECT_FALSE(torch::equal(p.detach(), snapshot[i])) << name << ": the live weights are the live ones again";
+  }
 }
 
 TEST(AdamW, StateRoundTripContinuesIdentically) {
