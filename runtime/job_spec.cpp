@@ -435,11 +435,6 @@ void fill_and_validate(JobSpec& s, bool check_files) {
                std::to_string(m.n_layer) + "; make the entries sum to model.n_layer");
     }
   }
-  if (s.max_inflight < 0) fail("max_inflight", "must be >= 0 (0 means 2 * partition.stages)");
-  if (s.max_inflight == 0) s.max_inflight = 2 * p.stages;
-  if (s.max_inflight > limits::kMaxInflight)
-    fail("max_inflight", std::to_string(s.max_inflight) + " is over the limit of " + std::to_string(limits::kMaxInflight) +
-                             " microbatches in flight (limits::kMaxInflight); a few per stage keep every stage busy");
 
   // data
   DataSpec& d = s.data;
@@ -472,6 +467,13 @@ void fill_and_validate(JobSpec& s, bool check_files) {
                                  "; a step is a whole number of microbatches, so make batch_size a multiple of "
                                  "microbatch_size");
   }
+  // One job step in flight by default, at least one microbatch per stage: more keeps more peers
+  // busy but makes asynchronous gradients staler (docs/schedules.md).
+  if (s.max_inflight < 0) fail("max_inflight", "must be >= 0 (0 means one job step's microbatches, at least partition.stages)");
+  if (s.max_inflight == 0) s.max_inflight = std::max(p.stages, b.batch_size / b.microbatch_size);
+  if (s.max_inflight > limits::kMaxInflight)
+    fail("max_inflight", std::to_string(s.max_inflight) + " is over the limit of " + std::to_string(limits::kMaxInflight) +
+                             " microbatches in flight (limits::kMaxInflight); a few per stage keep every stage busy");
   if (b.inner_batch < 0) fail("batch.inner_batch", "must be >= 0 (0 means batch.batch_size)");
   if (b.inner_batch == 0) b.inner_batch = b.batch_size;
   if (b.inner_batch % b.microbatch_size != 0) {

@@ -78,7 +78,7 @@ TEST(JobSpec, DefaultsFromMinimalSpec) {
   EXPECT_TRUE(s.model.bias);
   EXPECT_EQ(s.partition.stages, 1);
   EXPECT_EQ(s.partition.layers_per_stage, std::vector<int>({4}));
-  EXPECT_EQ(s.max_inflight, 2);  // 0 -> 2 * stages
+  EXPECT_EQ(s.max_inflight, 4);  // 0 -> one job step: 32 / 8 microbatches
   EXPECT_EQ(s.data.format, "text");
   EXPECT_EQ(s.data.paths, std::vector<std::string>({"/nonexistent/corpus.txt"}));
   EXPECT_DOUBLE_EQ(s.data.val_fraction, 0.1);
@@ -155,8 +155,11 @@ TEST(JobSpec, ReadsEveryField) {
 TEST(JobSpec, EvenSplitFilledWhenAbsent) {
   JobSpec s = swarm::parse_job_spec(with(with(minimal(), "model.n_layer", 12), "partition.stages", 4), false);
   EXPECT_EQ(s.partition.layers_per_stage, std::vector<int>({3, 3, 3, 3}));
-  EXPECT_EQ(s.max_inflight, 8);
+  EXPECT_EQ(s.max_inflight, 4);  // one job step, 4 microbatches, one per stage
   EXPECT_EQ(s.first_layer(2), 6);
+  // More stages than microbatches per step: one per stage, so every stage can be busy.
+  JobSpec deep = swarm::parse_job_spec(with(with(with(minimal(), "model.n_layer", 12), "partition.stages", 6), "batch.batch_size", 16), false);
+  EXPECT_EQ(deep.max_inflight, 6);
 }
 
 TEST(JobSpec, RoundTripThroughCanonicalJson) {
