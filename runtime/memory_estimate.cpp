@@ -30,7 +30,7 @@ std::string gib(int64_t b) {
 }  // namespace
 
 int64_t StageMemory::device_bytes() const {
-  const int64_t sum = weights + grads + adam + graphs + transient;
+  const int64_t sum = weights + grads + adam + graphs + versions + transient;
   return sum + sum / 10 + runtime;
 }
 
@@ -40,6 +40,7 @@ std::string StageMemory::describe(bool cuda_peer) const {
   std::string s = human_bytes(need_bytes(cuda_peer)) + " at " + precision_name(precision) + " (weights " + gib(weights) +
                   ", grads " + gib(grads) + ", AdamW " + gib(adam) + ", " + std::to_string(inflight) + " graph(s) " + gib(graphs) +
                   ", temporaries " + gib(transient);
+  if (versions) s += ", weight versions " + gib(versions);
   if (runtime) s += ", CUDA runtime " + gib(runtime);
   s += ", 10% margin";
   s += cuda_peer ? "; host RAM " + gib(host) + " GiB besides)" : ", θ_g and momentum " + gib(host) + " GiB)";
@@ -86,6 +87,11 @@ StageMemory estimate_stage_memory(const JobSpec& spec, int stage, Precision prec
   if (e < 4) graph += e * out.params;  // each forward's compute-type copy of the weights
   out.inflight = last ? 1 : std::max(1, spec.max_inflight);
   out.graphs = int64_t(out.inflight) * graph;
+  if (spec.schedule == Schedule::kAsync && !last) {
+    const int per_step = std::max(1, spec.microbatches_per_step());
+    const int64_t steps_in_flight = (std::max(1, spec.max_inflight) + per_step - 1) / per_step;
+    out.versions = (steps_in_flight + 3) * 4 * out.params;
+  }
 
   int64_t largest = L > 0 ? 4 * C * C : 0;
   if (first || last) largest = std::max(largest, V * C);

@@ -22,6 +22,9 @@ struct StageMemory {
   int64_t adam = 0;             // AdamW exp_avg and exp_avg_sq, fp32 [2 x params]
   int64_t graphs = 0;           // autograd graphs of the microbatches in flight: saved activations,
                                 // plus each forward's compute-type copy of the weights (bf16/fp16)
+  int64_t versions = 0;         // async, all but the last stage: the weight versions forwards ran on (one
+                                // per job step in flight and the current one), the last update and a
+                                // step's copy of the weights, fp32 [params each]
   int64_t transient = 0;        // the largest temporaries of one backward (logits, AdamW's denominator)
   int64_t runtime = 0;          // CUDA context and library workspaces (0 on the CPU)
   // In host RAM whatever the device, in bytes:

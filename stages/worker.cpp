@@ -592,15 +592,16 @@ struct Worker::Impl {
     const double mean_stale = double(stale_samples_) / double(accum_samples_);
     const double lr_factor = async ? 1.0 / (1.0 + mean_stale) : 1.0;
     // async: the update this step makes, and how late its samples were, predict the weights of
-    // the next version's forwards (snapshot()).
+    // the next version's forwards (snapshot(); the last stage runs each backward at once).
+    const bool predict = async && !model_->is_last();
     std::vector<torch::Tensor> before;
-    if (async) {
+    if (predict) {
       staleness_ = mean_stale;
       for (const auto& [name, p] : model_->named_parameters()) before.push_back(p.detach().clone());
     }
     before_weights_change();
     const double norm = optim_->step(accum_samples_, scale, lr_step, lr_factor);
-    if (async) {
+    if (predict) {
       size_t i = 0;
       for (const auto& [name, p] : model_->named_parameters()) {
         velocity_.push_back(p.detach() - before[i]);

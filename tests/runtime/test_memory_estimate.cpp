@@ -43,7 +43,10 @@ TEST(MemoryEstimate, TermsByHandOnAMiddleStage) {
   const int64_t N = 4 * 1024, C = 768;
   const int64_t per_graph = 3 * ((8 + 14 * 4) * N * C + 4 * 12 * 1024 * 1024 * 4);
   EXPECT_EQ(m.graphs, 8 * per_graph);
-  const int64_t sum = m.weights + m.grads + m.adam + m.graphs + m.transient;
+  // async (the default): 8 in flight is one job step of 8 microbatches; its version and the
+  // current one, the last update and a step's copy.
+  EXPECT_EQ(m.versions, 4 * 4 * P);
+  const int64_t sum = m.weights + m.grads + m.adam + m.graphs + m.versions + m.transient;
   EXPECT_EQ(m.device_bytes(), sum + sum / 10);
   EXPECT_EQ(m.need_bytes(false), m.device_bytes() + m.host);
   EXPECT_EQ(m.need_bytes(true), m.device_bytes());
@@ -64,6 +67,9 @@ TEST(MemoryEstimate, PrecisionFlashWindowAndDevice) {
   EXPECT_GT(f32.runtime, 0);
   // The last stage runs each backward at once: one graph, whatever the window.
   EXPECT_EQ(estimate_stage_memory(s, 3, Precision::kFp32, false, false).inflight, 1);
+  EXPECT_EQ(estimate_stage_memory(s, 3, Precision::kFp32, false, false).versions, 0);  // runs each backward at once
+  s.schedule = Schedule::kSync;
+  EXPECT_EQ(estimate_stage_memory(s, 1, Precision::kFp32, false, false).versions, 0);  // steps at barriers only
   s.max_inflight = 2;
   EXPECT_LT(estimate_stage_memory(s, 1, Precision::kFp32, false, true).graphs, f32.graphs);
   EXPECT_NE(b16.describe(true).find("GiB"), std::string::npos);
