@@ -259,8 +259,13 @@ PeerView TrainingJob::view_of(const Peer& p) const {
   return v;
 }
 
-// On a randomised period: at most one move, decided by plan_rebalance, and only between rounds
-// (a round's membership is its stage's peers).
+// On a randomised period, and only between rounds (a round's membership is its stage's peers):
+// the move plan_rebalance decides and, once a plan of several moves is confirmed in a large
+// swarm, more of it at once: one move per kPeersPerMove ready peers at most, each planned again
+// on the placement the earlier ones left. A bad start of a thousand peers needs over a hundred
+// moves; one per confirmed check took most of an hour (docs/scale.md).
+constexpr size_t kPeersPerMove = 50;
+
 void TrainingJob::maybe_rebalance(Ctx& c) {
   if (!spec_.routing.rebalance || spec_.routing.mode != RoutingMode::kSwarm) return;
   RebalanceParams rp;
@@ -281,16 +286,34 @@ void TrainingJob::maybe_rebalance(Ctx& c) {
     return;
   }
   schedule_next();
-  const Rebalance r = plan_rebalance(placement_view(c.peers, c.now), rp, c.now);
+  swarm::Registry view = placement_view(c.peers, c.now);
+  const Rebalance r = plan_rebalance(view, rp, c.now);
   proposal_ = r.proposal;
   if (r.reason != rebalance_reason_) {
     c.info("rebalance: " + r.reason);
     rebalance_reason_ = r.reason;
   }
   if (!r.move) return;
-  const Move& mv = *r.move;
+  if (!make_move(c, *r.move) || r.move->target_empty || r.move->plan_moves <= 1) return;
+  // The rest of a confirmed plan: no cooldown or second check within it; each move still needs
+  // its own gain over the placement before it (plan_rebalance's margins and settling rules).
+  size_t ready = 0;
+  for (const PeerView& pv : view.peers) ready += pv.ready;
+  const int more = std::min(r.move->plan_moves, int(ready / kPeersPerMove)) - 1;
+  RebalanceParams follow = rp;
+  follow.cooldown_s = 0;
+  follow.checks_to_move = 1;
+  for (int k = 0; k < more; ++k) {
+    view = placement_view(c.peers, c.now);
+    const Rebalance next = plan_rebalance(view, follow, c.now);
+    if (!next.move || !make_move(c, *next.move)) break;
+  }
+  proposal_ = {};
+}
+
+bool TrainingJob::make_move(Ctx& c, const Move& mv) {
   Peer* p = c.peers.find(mv.peer);
-  if (!p) return;
+  if (!p) return false;
   const std::vector<double>& cost = stage_cost_;
   c.event(EventKind::kMove, LogLevel::kInfo,
           "rebalance: moving peer " + p->hello.name + " from stage " + std::to_string(mv.from) + " to stage " + std::to_string(mv.to) + ": " + mv.reason,
@@ -306,6 +329,7 @@ void TrainingJob::maybe_rebalance(Ctx& c) {
   // The peer answers what it was already sent for its old stage, then loads the new one and
   // gets its state from a donor (or the stage snapshot) before it serves.
   send_load(c, *p);
+  return true;
 }
 
 }  // namespace swarm::router

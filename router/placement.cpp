@@ -171,17 +171,19 @@ class Planner {
   }
 
   // Greedy moves into the bottleneck, from the registry's state, until the minimum has risen by
-  // `gain` (success: the moves) or no move helps (empty). At most one move into each stage, so a
-  // plan has several moves only when several stages sit near the bottleneck.
+  // `gain` (success: the moves) or no move helps (empty). At most max(1, ceil(gain x its ready
+  // peers)) moves into each stage, what raising a stage of equal peers by `gain` takes: one in a
+  // small swarm, so a plan has several moves only when several stages sit near the bottleneck;
+  // several into a stage of fifty peers, where one peer alone never lifts it by 10%.
   std::vector<Option> plan(double gain, bool allow_restricted, Skips* skips, std::vector<double>* reached) const {
     PlanState st = start_;
     const double goal = min_of(st.t) * (1 + gain);
     std::vector<Option> moves;
-    std::vector<bool> lifted(size_t(reg_.stages), false);
-    for (int k = 0; k < reg_.stages; ++k) {
+    std::vector<int> lifts(size_t(reg_.stages), 0);
+    for (int k = 0;; ++k) {
       const int b = int(std::min_element(st.t.begin(), st.t.end()) - st.t.begin());
-      if (lifted[size_t(b)]) break;  // one move per stage: a plan only lifts stages tied near the bottleneck
-      lifted[size_t(b)] = true;
+      if (lifts[size_t(b)] >= std::max(1, int(std::ceil(gain * double(start_.ready[size_t(b)]) - 1e-9)))) break;
+      lifts[size_t(b)]++;
       auto o = best_into(st, b, false, allow_restricted, k == 0 ? skips : nullptr);
       if (!o) break;
       st.t = o->after;

@@ -140,8 +140,9 @@ std::vector<StageNeed> stage_needs(const JobSpec& spec);
 // margins and checks waived). Otherwise, past the global cooldown, greedy moves into the
 // bottleneck (the peer whose move leaves the sorted throughputs largest) are planned until the
 // min stage throughput has risen by min_gain; the plan's first move is made once
-// checks_to_move consecutive checks have planned it (a plan has more than one move only when
-// several stages sit near the bottleneck; every check re-plans). A moved peer is movable, unpinned,
+// checks_to_move consecutive checks have planned it (a plan has more than one move when several
+// stages sit near the bottleneck, or when a stage has so many peers that one move cannot lift it
+// by min_gain; every check re-plans). A moved peer is movable, unpinned,
 // measured, never its stage's last ready peer, and able to hold its new stage; a move that has
 // not settled (see settle_s) needs reverse_gain.
 Rebalance plan_rebalance(const Registry& reg, const RebalanceParams& params, double now_s);

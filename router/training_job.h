@@ -98,6 +98,7 @@ class TrainingJob : public Job {
   PeerView placed_view(const Peer& p, const Registry& peers, double now) const;   // one peer of placement_view
   PeerView view_of(const Peer& p) const;     // a peer's speed, memory and precision for placement
   void maybe_rebalance(Ctx& c);
+  bool make_move(Ctx& c, const swarm::Move& mv);   // false when the peer is gone
 
   JobSpec spec_;
   nlohmann::json spec_json_;
