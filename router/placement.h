@@ -136,7 +136,8 @@ std::vector<MemoryShortfall> memory_shortfalls(const Registry& reg);
 // 1.13's attention).
 std::vector<StageNeed> stage_needs(const JobSpec& spec);
 
-// One rebalance check: at most one move. A stage with no peer is filled at once (cooldowns,
+// One rebalance check: at most one move (TrainingJob makes more of a confirmed plan in a large
+// swarm by calling it again). A stage with no peer is filled at once (cooldowns,
 // margins and checks waived). Otherwise, past the global cooldown, greedy moves into the
 // bottleneck (the peer whose move leaves the sorted throughputs largest) are planned until the
 // min stage throughput has risen by min_gain; the plan's first move is made once
