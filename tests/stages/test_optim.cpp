@@ -35,6 +35,17 @@ OptimizerSpec adam_spec() {
   return o;
 }
 
+// Two blocks of width 16 over 32 tokens: stages small enough to check by hand.
+ModelSpec two_block_model() {
+  ModelSpec spec;
+  spec.vocab_size = 32;
+  spec.d_model = 16;
+  spec.n_head = 2;
+  spec.n_layer = 2;
+  spec.seq_len = 8;
+  return spec;
+}
+
 void expect_near(const torch::Tensor& t, const std::vector<double>& want, double tol) {
   torch::Tensor flat = t.detach().reshape({-1}).to(torch::kFloat64);
   ASSERT_EQ(flat.numel(), static_cast<int64_t>(want.size()));
@@ -121,12 +132,7 @@ TEST(LrAt, WarmupThenCosineEndpoints) {
 
 // The stage server's affinity cache keeps a forward's graph across optimizer steps.
 TEST(AdamW, GraphBuiltBeforeAStepStillRunsBackward) {
-  ModelSpec spec;
-  spec.vocab_size = 32;
-  spec.d_model = 16;
-  spec.n_head = 2;
-  spec.n_layer = 2;
-  spec.seq_len = 8;
+  const ModelSpec spec = two_block_model();
   StageModel first(spec, 0, 2, 0, 1, 1);
   StageModel last(spec, 1, 2, 1, 1, 1);
   AdamW opt(first.named_parameters(), adam_spec(), 10);
@@ -160,12 +166,7 @@ TEST(AdamW, GraphBuiltBeforeAStepStillRunsBackward) {
 // the snapshot's weights computes afresh. A libtorch that saved parameters by value, or a step
 // that reached the snapshot, would fail here.
 TEST(AdamW, AGraphOnASwappedInSnapshotGivesTheSnapshotsGradientsAfterAStep) {
-  ModelSpec spec;
-  spec.vocab_size = 32;
-  spec.d_model = 16;
-  spec.n_head = 2;
-  spec.n_layer = 2;
-  spec.seq_len = 8;
+  const ModelSpec spec = two_block_model();
   StageModel live(spec, 1, 3, 1, 1, 1);  // a middle stage: activations in, activations out
   AdamW opt(live.named_parameters(), adam_spec(), 10);
   torch::manual_seed(0);
