@@ -21,6 +21,7 @@
 #include "stages/optim.h"
 #include "stages/precision.h"
 #include "stages/tensor_codec.h"
+#include "stages/weight_versions.h"
 
 namespace swarm {
 
@@ -49,7 +50,7 @@ struct CacheEntry {
   uint64_t input_checksum = 0;  // the backward must carry exactly the input this graph saw
   torch::Tensor input, output;
   Clock::time_point at;
-  uint64_t version = 0;         // the weights the forward ran on (Impl::version_)
+  uint64_t version = 0;         // the weights the forward ran on (WeightVersions::version)
 };
 
 bool is_hop(MsgType t) {
@@ -208,9 +209,7 @@ struct Worker::Impl {
     if (b.stage >= spec.partition.stages) throw WireError(WireErrc::kMalformed, "stage " + std::to_string(b.stage) + " out of range");
     stats_.ready = false;
     cache_.clear();
-    snapshots_.clear();
-    velocity_.clear();
-    staleness_ = 0;
+    versions_.reset();
     spec_ = spec;
     job_id_ = b.job_id;
     stage_ = b.stage;
@@ -381,9 +380,9 @@ struct Worker::Impl {
     torch::Tensor out;
     {
       // async: on the snapshot of this version's weights, which no step writes into, so the
-      // graph stays the gradient of what the next stage receives (weight versions below).
-      SetAside current{this, {}};
-      if (spec_.schedule == Schedule::kAsync) current.swap(snapshot(version_));
+      // graph stays the gradient of what the next stage receives (stages/weight_versions.h).
+      SetAside own(*model_);
+      if (spec_.schedule == Schedule::kAsync) own.swap_in(versions_.current(*model_));
       out = model_->forward(x);
     }
     Message rep = result(req, h, msg::Result{});
@@ -399,7 +398,7 @@ struct Worker::Impl {
       else ++it;
     }
     while (cache_.size() >= opt_.cache_entries) cache_.pop_front();
-    cache_.push_back(CacheEntry{mb, checksum, std::move(x), std::move(out), now, version_});
+    cache_.push_back(CacheEntry{mb, checksum, std::move(x), std::move(out), now, versions_.version()});
     drop_unused_snapshots();
   }
 
@@ -441,18 +440,18 @@ struct Worker::Impl {
     before_backward(h.mb);
     torch::Tensor x, out;
     bool cached = false;
-    SetAside current{this, {}};
+    SetAside own(*model_);
     for (auto it = cache_.begin(); it != cache_.end(); ++it) {
       if (it->mb == h.mb && it->input_checksum == req.tensors[0].desc.checksum) {
-        auto snap = snapshots_.find(it->version);
-        if (spec_.schedule != Schedule::kAsync || snap != snapshots_.end()) {
+        const std::vector<torch::Tensor>* snap = versions_.kept(it->version);
+        if (spec_.schedule != Schedule::kAsync || snap) {
           // async: the weights the forward ran on go back in for the backward (a pointer swap);
-          // the gradient adds to the current step, `version_ - it->version` steps late.
-          if (snap != snapshots_.end()) current.swap(snap->second);
+          // the gradient adds to the current step, this many versions late.
+          if (snap) own.swap_in(*snap);
           x = it->input;
           out = it->output;
           cached = true;
-          stale_samples_ += int64_t(version_ - it->version) * x.size(0);
+          stale_samples_ += int64_t(versions_.version() - it->version) * x.size(0);
         }
         cache_.erase(it);
         break;
@@ -474,7 +473,7 @@ struct Worker::Impl {
     r.cached = cached;
     r.samples = samples;
     const torch::Tensor gx = finish_backward(x, r);
-    current.put_back();
+    own.put_back();
     drop_unused_snapshots();
     Message rep = result(req, h, r);
     if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_grad(emit(gx)); }));
@@ -482,58 +481,17 @@ struct Worker::Impl {
     return rep;
   }
 
-  // Weight versions (async; PipeDream-2BW's, without its recompute). Every training forward of
-  // version v runs on snapshot v: a copy of the weights, swapped into the parameters for the
-  // forward and again for its backward (StageModel::swap_weights: no copy), so an
-  // optimizer step writing into the weights in place never reaches a graph the affinity cache
-  // holds, and a backward needs no recompute however many steps it is late. A snapshot lives
-  // while a cached graph ran on it. With weight prediction (SpecTrain), snapshot v is the
-  // weights extrapolated along the last inner update by the measured staleness: a forward runs
-  // on about the weights its gradient will be applied to.
-  struct SetAside {
-    Impl* impl;
-    std::vector<torch::Tensor> data;  // this peer's weights while others are swapped in
-    void swap(const std::vector<torch::Tensor>& other) {
-      put_back();
-      data = other;
-      impl->model_->swap_weights(data);
-    }
-    void put_back() {
-      if (!data.empty()) impl->model_->swap_weights(data);
-      data.clear();
-    }
-    ~SetAside() { put_back(); }
-  };
-
-  const std::vector<torch::Tensor>& snapshot(uint64_t v) {
-    auto it = snapshots_.find(v);
-    if (it != snapshots_.end()) return it->second;
-    torch::NoGradGuard ng;
-    std::vector<torch::Tensor> snap;
-    const double ahead = staleness_;
-    size_t i = 0;
-    for (const auto& [name, p] : model_->named_parameters()) {
-      torch::Tensor c = p.detach().clone();
-      if (ahead > 0 && i < velocity_.size()) c.add_(velocity_[i], ahead);
-      snap.push_back(c);
-      i++;
-    }
-    return snapshots_.emplace(v, std::move(snap)).first->second;
-  }
-
-  // Before the weights change in place (an optimizer step, a round): a new version.
-  void before_weights_change() {
-    version_++;
-    velocity_.clear();
-  }
+  // Before the weights change in place other than by an inner step (a round, a state load).
+  void before_weights_change() { versions_.before_change(*model_); }
 
   void drop_unused_snapshots() {
-    for (auto it = snapshots_.begin(); it != snapshots_.end();) {
-      bool used = it->first == version_;
-      for (const CacheEntry& e : cache_) used |= e.version == it->first;
-      it = used ? std::next(it) : snapshots_.erase(it);
-    }
+    versions_.drop_unused([this](uint64_t v) {
+      for (const CacheEntry& e : cache_)
+        if (e.version == v) return true;
+      return false;
+    });
   }
+
 
   void publish_scale() { stats_.loss_scale = prec_.scaling() ? prec_.scale() : 0.0; }  // for heartbeats
 
@@ -592,22 +550,10 @@ struct Worker::Impl {
     const double mean_stale = double(stale_samples_) / double(accum_samples_);
     const double lr_factor = async ? 1.0 / (1.0 + mean_stale) : 1.0;
     // async: the update this step makes, and how late its samples were, predict the weights of
-    // the next version's forwards (snapshot(); the last stage runs each backward at once).
-    const bool predict = async && !model_->is_last();
-    std::vector<torch::Tensor> before;
-    if (predict) {
-      staleness_ = mean_stale;
-      for (const auto& [name, p] : model_->named_parameters()) before.push_back(p.detach().clone());
-    }
-    before_weights_change();
+    // the next version's forwards (WeightVersions::current; the last stage runs each backward at once).
+    versions_.before_change(*model_, async && !model_->is_last(), mean_stale);
     const double norm = optim_->step(accum_samples_, scale, lr_step, lr_factor);
-    if (predict) {
-      size_t i = 0;
-      for (const auto& [name, p] : model_->named_parameters()) {
-        velocity_.push_back(p.detach() - before[i]);
-        i++;
-      }
-    }
+    versions_.after_step(*model_);
     drop_unused_snapshots();
     stale_samples_ = 0;
     log_debug("stage", "inner step " + std::to_string(optim_->steps_taken()) + " on " + std::to_string(accum_samples_) +
@@ -999,10 +945,7 @@ struct Worker::Impl {
   std::unique_ptr<compression::ErrorFeedback> outer_ef_ = std::make_unique<compression::ErrorFeedback>();  // what a lossy outer codec has not sent yet
   std::list<CacheEntry> cache_;
   int64_t stale_samples_ = 0;  // sum over the held samples of the steps between their forward and now
-  uint64_t version_ = 0;                                       // counts this peer's in-place weight changes
-  std::map<uint64_t, std::vector<torch::Tensor>> snapshots_;   // async: the weights each version's forwards ran on
-  std::vector<torch::Tensor> velocity_;  // the last inner step's update (empty after any other change)
-  double staleness_ = 0;                 // the last step's mean steps between its samples' forwards and it
+  WeightVersions versions_;   // async: the weights each version's forwards ran on
 };
 
 Worker::Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults, const DeviceCaps& caps)
