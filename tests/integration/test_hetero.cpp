@@ -61,10 +61,12 @@ TEST(Hetero, RebalancerFixesAMisassignedSwarm) {
   spec["max_inflight"] = 16;
   spec["diloco"]["inner_steps"] = 100000;  // no round, so no barrier, inside the test
   spec["eval"] = {{"every_steps", 0}, {"batches", 1}};
-  // A check every 3 s (two agree before a move): the pipeline of 16× slowed peers completes its
+  // A check every 2 s (two agree before a move): the pipeline of 16× slowed peers completes its
   // first microbatches before the first move, so "before" has something to measure (with 1.5 s
-  // the first move came at 3.2 s and "before" was once 0).
-  spec["routing"] = {{"mode", "swarm"}, {"rebalance", true}, {"rebalance_period_s", 3.0}, {"cooldown_s", 1.5}, {"min_gain", 0.1}};
+  // the first move came at 3.2 s and "before" was once 0). Not much later: with 3 s the first
+  // move once came at 21 s, by when the router's model of the misplaced swarm had risen to
+  // within 10% of the rebalanced one's.
+  spec["routing"] = {{"mode", "swarm"}, {"rebalance", true}, {"rebalance_period_s", 2.0}, {"cooldown_s", 1.5}, {"min_gain", 0.1}};
 
   LocalSwarm swarm(dir, kBuild);
   swarm.start_router();
