@@ -492,7 +492,6 @@ struct Worker::Impl {
     });
   }
 
-
   void publish_scale() { stats_.loss_scale = prec_.scaling() ? prec_.scale() : 0.0; }  // for heartbeats
 
   // Mixed precision after a backward: the stage-input gradient unscaled (zeros when this backward
