@@ -21,6 +21,11 @@ using wire::MsgType;
 
 uint64_t Ctx::request(Pending p, wire::Message m) {
   p.sent_s = now;
+  // The deadline was set for the work; the transfers it waits for come on top.
+  uint64_t bytes = p.reply_bytes;
+  for (const wire::Tensor& t : m.tensors) bytes += t.desc.wire_bytes();
+  for (const wire::TensorRef& r : m.refs) bytes += r.desc.wire_bytes();
+  p.deadline_s += timing::transfer_allowance_s(double(bytes));
   if (Peer* peer = peers.find(p.peer)) {
     p.queued = peer->queued_units;
     peer->queued_units += p.units;
@@ -84,7 +89,7 @@ Slot Ctx::take_reply_tensor(const PeerId& from, uint64_t pd_id, wire::Message& m
 
 double Ctx::deadline_for(const Peer& p, double cap_s) const {
   if (p.ms_per_unit <= 0) return std::min(cap_s, 10.0);
-  return timing::deadline_s((p.queued_units + 3.0) * p.ms_per_unit / 1000.0, cap_s);
+  return timing::deadline_s((p.queued_units + 3.0) * p.deadline_ms_per_unit() / 1000.0, cap_s);
 }
 
 namespace {
@@ -473,7 +478,7 @@ Actions RouterCore::tick(double now) {
   for (uint64_t rid : I.requests.expired(now)) {
     const Pending* pd = I.requests.find(rid);
     if (!pd) continue;
-    c.warn("request " + std::to_string(rid) + " (" + req_kind_name(pd->kind) + ") to " + I.name_of(pd->peer) + " passed its deadline; re-sending");
+    c.warn("request " + std::to_string(rid) + " (" + req_kind_name(pd->kind) + ") to " + I.name_of(pd->peer) + " passed its deadline (" + std::to_string(pd->deadline_s - pd->sent_s) + " s after it was sent); re-sending");
     if (Peer* p = I.peers.find(pd->peer)) {
       if (const double s = I.peers.timed_out(*p, pd->kind == ReqKind::kHop, now); s > 0)
         c.event(EventKind::kFault, LogLevel::kWarn,

@@ -58,6 +58,7 @@ void Durability::begin(Ctx& c, int step, bool checkpoint) {
     pd.stage = s;
     pd.peer = d->id;
     pd.deadline_s = c.now + c.deadline_for(*d, spec_.timeouts.backward_s);
+    pd.reply_bytes = 5 * 4 * uint64_t(params_[size_t(s)]);   // its whole state
     c.request(pd, msg::make(body));
     waiting_.insert(d->id);
   }

@@ -198,7 +198,7 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   }
   m.hold = cfg_.p2p && p.can_hold();
   // Deadline: a generous multiple of what this peer should need, within the job's bounds.
-  const double per = p.ms_per_unit > 0 ? p.ms_per_unit : 1000.0;
+  const double per = p.ms_per_unit > 0 ? p.deadline_ms_per_unit() : 1000.0;
   const bool long_hop = f.kind == HopKind::kBackward || f.kind == HopKind::kForwardLoss;
   Pending pd;
   pd.kind = ReqKind::kHop;
@@ -426,6 +426,7 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
     up.stage = slot;
     up.peer = holder->id;
     up.deadline_s = c.now + c.deadline_for(*holder, cfg_.forward_cap_s);
+    up.reply_bytes = sl->held->desc.wire_bytes();   // the tensor it uploads
     f.upload_req = c.request(up, msg::make(wire::MsgType::kFetch, body));
     uploads++;
   }

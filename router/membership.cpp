@@ -101,6 +101,7 @@ void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
     pd.peer = donor->id;
     pd.target = p.id;
     pd.deadline_s = c.now + c.deadline_for(*donor, spec_.timeouts.backward_s);
+    pd.reply_bytes = uint64_t(body.full ? 5 : 2) * 4 * uint64_t(stage_params_[size_t(p.stage)]);
     // Peer to peer the donor keeps its state and the joiner fetches it.
     wire::Message m = msg::make(body);
     m.hold = pd.hold = spec_.routing.hops == Hops::kP2p && donor->can_hold();
@@ -324,6 +325,7 @@ bool TrainingJob::make_move(Ctx& c, const Move& mv) {
   last_move_s_ = p->last_moved_s = c.now;
   p->last_from = mv.from;
   p->ms_per_unit *= cost[size_t(mv.to)] / cost[size_t(mv.from)];
+  p->turnaround_ms *= cost[size_t(mv.to)] / cost[size_t(mv.from)];
   p->hello.stage = -1;
   c.peers.place(*p, id_, mv.to);
   // The peer answers what it was already sent for its old stage, then loads the new one and

@@ -153,7 +153,10 @@ void Registry::ban(Peer& p, double now) {
 double Registry::timed_out(Peer& p, bool hop, double now) {
   p.timeouts++;
   // Not a ban (it may just be slow), but its expected speed halves, so it gets less work.
-  if (hop) p.ms_per_unit = p.ms_per_unit > 0 ? std::max(2.0 * p.ms_per_unit, 100.0) : 1000.0;
+  if (hop) {
+    p.ms_per_unit = p.ms_per_unit > 0 ? std::max(2.0 * p.ms_per_unit, 100.0) : 1000.0;
+    p.turnaround_ms *= 2;
+  }
   if (++p.timeouts_in_row < 3) return 0;
   const double s = timing::backoff_s(1.0, 60.0, p.timeouts_in_row - 2);
   p.unresponsive_until_s = now + s;
@@ -173,6 +176,7 @@ void Registry::measured(Peer& p, double compute_ms, double units, double latency
   const double observed = latency_s * 1000.0 / (std::max(0.0, queued_units) + units);
   const double per = std::clamp(std::max(compute_ms / units, observed / 4.0), kMinMsPerUnit, 1e9);
   p.ms_per_unit = timing::ema(p.ms_per_unit, per);
+  p.turnaround_ms = timing::ema(p.turnaround_ms, std::clamp(observed, kMinMsPerUnit, 1e9));
 }
 
 std::vector<Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bool ready_only) {

@@ -10,6 +10,7 @@
 // job or stage). No clock, no I/O: the time comes in as `now` [s].
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -37,6 +38,7 @@ struct Peer {
   PeerState state = PeerState::kIdle;   // change with Registry::set_state
   double joined_s = 0, last_seen_s = 0;
   double ms_per_unit = 0;         // timing::ema of compute ms per work unit, from its results; 0: not measured
+  double turnaround_ms = 0;       // timing::ema of reply latency per unit (its queue and transfers included)
   double queued_units = 0;        // work sent to it and not answered yet
   double banned_until_s = 0;
   int bans = 0;
@@ -54,6 +56,9 @@ struct Peer {
   bool pinned() const { return hello.stage >= 0; }
   // Its measured ms per unit, else what its heartbeat says, else 0.
   double speed_ms() const { return ms_per_unit > 0 ? ms_per_unit : heartbeat.ms_per_unit; }
+  // What a deadline allows per unit: the slower of its compute and what its replies have taken,
+  // so work that waits on transfers (a fetch over a busy link) is not failed for the wait.
+  double deadline_ms_per_unit() const { return std::max(ms_per_unit, turnaround_ms); }
 };
 
 class Registry {

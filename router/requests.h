@@ -41,7 +41,8 @@ struct Pending {
   PeerId target;           // kStateRequest: the peer waiting for the state
   double units = 0;        // work units it adds to the peer's queue
   double queued = 0;       // the peer's queue when it was sent
-  double sent_s = 0, deadline_s = 0;
+  double sent_s = 0, deadline_s = 0;   // Ctx::request extends the deadline for the bytes to move
+  uint64_t reply_bytes = 0;   // the most its reply may carry (a stage's state, a round's delta)
   bool hold = false;       // the reply's tensors stay at the peer (peer to peer)
   PeerId holder;           // kStateLoad: the donor holding the state it references (its request: `key`)
   PeerId donor;            // kStateLoad: the peer whose state it carries ("": a snapshot)

@@ -155,6 +155,7 @@ void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
       pd.stage = s;
       pd.peer = p->id;
       pd.deadline_s = c.now + c.deadline_for(*p, spec_.timeouts.backward_s);
+      pd.reply_bytes = 4 * uint64_t(params_[size_t(s)]);   // its delta, at most f32
       pd.hold = st.p2p;
       wire::Message m = msg::make(b);
       m.hold = st.p2p;

@@ -22,6 +22,14 @@ inline double deadline_s(double expect_s, double cap_s) {
   return std::min(cap_s, std::max(2.0, 4.0 * expect_s + 1.0));
 }
 
+// The slowest link a deadline allows for without being told: 100 Mbit/s, a home uplink.
+constexpr double kSlowLinkBytesPerS = 12.5e6;
+
+// What a deadline adds for `bytes` that must cross a link (a request's inputs, a reply's stage
+// state): four times their transfer at kSlowLinkBytesPerS. Never capped by the job's timeouts,
+// which bound compute: a gigabyte on a slow link is slow, not dead.
+inline double transfer_allowance_s(double bytes) { return 4.0 * bytes / kSlowLinkBytesPerS; }
+
 // The exponential moving average of a peer's ms per work unit: weight 0.1 on each new sample
 // (SWARM's choice: a few slow hops do not swing routing), the first sample taken as it is.
 constexpr double kEmaWeight = 0.1;

@@ -217,6 +217,9 @@ std::vector<std::string> World::check_expectations(const nlohmann::json& s) cons
     out.push_back(std::to_string(quarantined) + " peers quarantined (expected at least " + std::to_string(*e.min_quarantined) + ")");
   const uint64_t rounds = job.value("rounds", uint64_t(0));
   if (e.min_rounds && rounds < *e.min_rounds) out.push_back(std::to_string(rounds) + " rounds (expected at least " + std::to_string(*e.min_rounds) + ")");
+  const uint64_t timeouts = job.value("timeouts", uint64_t(0));
+  if (e.max_timeouts && timeouts > *e.max_timeouts)
+    out.push_back(std::to_string(timeouts) + " requests passed their deadline (expected at most " + std::to_string(*e.max_timeouts) + ")");
   return out;
 }
 

@@ -305,6 +305,7 @@ Scenario parse_scenario(const json& j, const std::string& dir) {
     if (ef.has("min_moves")) s.expect.min_moves = uint64_t(ef.integer("min_moves", 0, 0, int64_t(1) << 53));
     if (ef.has("min_quarantined")) s.expect.min_quarantined = uint64_t(ef.integer("min_quarantined", 0, 0, int64_t(1) << 53));
     if (ef.has("min_rounds")) s.expect.min_rounds = uint64_t(ef.integer("min_rounds", 0, 0, int64_t(1) << 53));
+    if (ef.has("max_timeouts")) s.expect.max_timeouts = uint64_t(ef.integer("max_timeouts", 0, 0, int64_t(1) << 53));
     ef.done();
   }
   f.done();

@@ -74,6 +74,7 @@ struct Expect {
   std::optional<uint64_t> min_moves;          // rebalancer moves
   std::optional<uint64_t> min_quarantined;
   std::optional<uint64_t> min_rounds;
+  std::optional<uint64_t> max_timeouts;       // requests that passed their deadline
 };
 
 struct Scenario {
