@@ -28,7 +28,7 @@ namespace swarm::sim {
 struct SimOptions {
   std::optional<uint64_t> seed;                            // overrides the scenario's seed
   std::function<void(const nlohmann::json&)> on_line;      // every trace line, as it is made
-  bool measure_cpu = true;                                 // time each call into the core (thread CPU time)
+  bool measure_cpu = true;                                 // time each call into the core (a monotonic clock)
 };
 
 struct SimResult {

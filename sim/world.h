@@ -117,7 +117,7 @@ class World {
   uint32_t stash(wire::Message m);
   Slot release_slot(uint32_t slot);
   template <class F>
-  void call(F&& f);                      // one event into the core, timed; its actions carried out
+  void call(const char* what, F&& f);    // one event into the core, timed under `what`; its actions carried out
   // A transfer of `bytes` from a's uplink to b's downlink starting no earlier than `now`: when it
   // has arrived (latencies included).
   double transfer(Host& a, Host& b, uint64_t bytes, double now);
@@ -199,6 +199,11 @@ class World {
   // Perf (not in the trace).
   uint64_t core_events = 0, sim_events = 0;
   double core_cpu_s = 0;
+  struct CoreCost {
+    uint64_t events = 0;
+    double s = 0;
+  };
+  std::unordered_map<const char*, CoreCost> core_by_event;   // by message type name, "tick", ... (static strings)
 };
 
 }  // namespace swarm::sim
