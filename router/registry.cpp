@@ -54,9 +54,19 @@ void Registry::remove(const PeerId& id) {
   peers_.erase(it);
 }
 
+void Registry::ready_changed(const std::pair<uint64_t, int>& key, size_t before, size_t after) {
+  if (key.second < 0 || (before > 0) == (after > 0)) return;
+  if (after > 0) {
+    ready_stages_[key.first]++;
+  } else if (--ready_stages_[key.first] == 0) {
+    ready_stages_.erase(key.first);
+  }
+}
+
 void Registry::unindex(const Peer& p) {
   auto b = by_stage_.find({p.job_id, p.stage});
   SWARM_CHECK(b != by_stage_.end() && b->second.peers.erase(p.seq) == 1, "peer " + p.hello.name + " is missing from the stage index");
+  ready_changed(b->first, b->second.ready, b->second.ready - (p.state == PeerState::kReady));
   b->second.ready -= p.state == PeerState::kReady;
   b->second.idle -= p.state == PeerState::kIdle;
   if (b->second.peers.empty()) by_stage_.erase(b);
@@ -65,6 +75,7 @@ void Registry::unindex(const Peer& p) {
 void Registry::index(Peer& p) {
   StageIndex& b = by_stage_[{p.job_id, p.stage}];
   b.peers[p.seq] = &p;
+  ready_changed({p.job_id, p.stage}, b.ready, b.ready + (p.state == PeerState::kReady));
   b.ready += p.state == PeerState::kReady;
   b.idle += p.state == PeerState::kIdle;
 }
@@ -80,14 +91,18 @@ void Registry::place(Peer& p, uint64_t job, int stage) {
 void Registry::set_state(Peer& p, PeerState s) {
   if (p.state == s) return;
   StageIndex& b = by_stage_.at({p.job_id, p.stage});
-  b.ready = b.ready - (p.state == PeerState::kReady) + (s == PeerState::kReady);
+  const size_t ready = b.ready - (p.state == PeerState::kReady) + (s == PeerState::kReady);
+  ready_changed({p.job_id, p.stage}, b.ready, ready);
+  b.ready = ready;
   b.idle = b.idle - (p.state == PeerState::kIdle) + (s == PeerState::kIdle);
   p.state = s;
 }
 
 void Registry::check_index() const {
   size_t n = 0;
+  std::unordered_map<uint64_t, size_t> ready_stages;
   for (const auto& [key, b] : by_stage_) {
+    if (key.second >= 0 && b.ready > 0) ready_stages[key.first]++;
     SWARM_CHECK(!b.peers.empty(), "an empty stage index entry");
     size_t ready = 0, idle = 0;
     for (const auto& [seq, p] : b.peers) {
@@ -100,6 +115,7 @@ void Registry::check_index() const {
     SWARM_CHECK(ready == b.ready && idle == b.idle, "a peer changed its state without Registry::set_state");
   }
   SWARM_CHECK(n == peers_.size(), "the stage index does not hold every peer");
+  SWARM_CHECK(ready_stages == ready_stages_, "the count of stages with a ready peer is off");
   SWARM_CHECK(by_id_.size() == peers_.size(), "the index by id does not hold every peer");
   for (const auto& [id, p] : peers_) {
     const auto f = by_id_.find(id);

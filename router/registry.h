@@ -111,6 +111,12 @@ class Registry {
   // Whether a peer of `stage` of `job` is ready (stage_peers(...) is not empty), without a list:
   // O(log stages).
   bool any_ready(uint64_t job, int stage) const;
+  // How many stages (>= 0) of `job` have a ready peer: one hash lookup (every event asks whether
+  // a stage is empty).
+  size_t ready_stages(uint64_t job) const {
+    auto it = ready_stages_.find(job);
+    return it == ready_stages_.end() ? 0 : it->second;
+  }
   // Calls f(const Peer&) for each peer whose HELLO gave `listen` as the address others fetch
   // from, in no particular order: one hash lookup.
   template <class F>
@@ -144,6 +150,8 @@ class Registry {
     size_t idle = 0;                   // of them in PeerState::kIdle
   };
   std::map<std::pair<uint64_t, int>, StageIndex> by_stage_;
+  std::unordered_map<uint64_t, size_t> ready_stages_;   // job -> its stages (>= 0) with ready > 0
+  void ready_changed(const std::pair<uint64_t, int>& key, size_t before, size_t after);
   std::unordered_multimap<std::string, Peer*> by_listen_;   // hello.listen -> the peers that gave it (not "")
   void unindex(const Peer& p);
   void index(Peer& p);

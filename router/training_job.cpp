@@ -145,6 +145,7 @@ void TrainingJob::on_peer_gone(Ctx& c, const Peer& p) {
 
 std::string TrainingJob::empty_stages(Ctx& c) const {
   std::string s;
+  if (c.peers.ready_stages(id_) == size_t(S_)) return s;
   for (int st = 0; st < S_; ++st)
     if (!c.peers.any_ready(id_, st)) s += (s.empty() ? "" : ", ") + std::to_string(st);
   return s;
