@@ -57,7 +57,8 @@ struct StageNeed {
 // A move a check planned and did not make yet (see RebalanceParams::checks_to_move).
 struct Proposal {
   int from = -1, to = -1;
-  int checks = 0;  // consecutive checks that planned a move from `from` to `to`
+  int checks = 0;            // consecutive checks that planned a move into `to` (see plan_rebalance)
+  std::vector<int> targets;  // the stages its whole plan moved peers into
 };
 
 struct Registry {

@@ -304,12 +304,20 @@ TEST(Rebalance, MovesOnlyWhenConsecutiveChecksAgree) {
   d = plan_rebalance(r, p, 10);
   ASSERT_TRUE(d.move) << d.reason;
   EXPECT_EQ(d.proposal.checks, 0);
-  // A proposal for another pair of stages does not count.
+  // A proposal for another target stage does not count.
   Registry q = make({{4, 4}, {1}, {9}});
-  q.proposal = Proposal{2, 1, 1};
+  q.proposal = Proposal{0, 2, 1, {2}};
   d = plan_rebalance(q, p, 0);
   EXPECT_FALSE(d.move);
   EXPECT_EQ(d.proposal.checks, 1);
+  EXPECT_EQ(d.proposal.targets, std::vector<int>{1});
+  // One whose plan also moved a peer into this move's stage does: the checks agree that stage 1
+  // needs a peer, whichever stage the previous plan moved into first.
+  Registry w = make({{4, 4}, {1}, {9}});
+  w.proposal = Proposal{2, 0, 1, {0, 1}};
+  d = plan_rebalance(w, p, 0);
+  ASSERT_TRUE(d.move) << d.reason;
+  EXPECT_EQ(d.move->to, 1);
 }
 
 TEST(Rebalance, MovingBackBeforeSettlingNeedsTheLargerMargin) {
