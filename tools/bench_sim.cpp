@@ -5,6 +5,9 @@
 //   processes, tools/local_swarm.h); each peer's own compute speed read from its heartbeat
 //   (ms per work unit) becomes a measured profile; the simulator runs the same job on those
 //   profiles; its tokens/s / the real one.
+// sim_vs_real_hetero: the same with the hetero bench's emulated mix (2 a100-like peers,
+//   --emulate 2, and 6 t4-like, --emulate 8), pinned to the best assignment of that mix
+//   (one a100-like on each of stages 0 and 1, three t4-like on each of stages 2 and 3).
 // sim_1000_vs_ideal, virtual_per_wall, core_events_per_s: examples/sim/scale/swarm_1000.json
 //   (1,000 peers, 25% a100-like, 75% t4-like, started badly placed, 32 stages, churn, 1 Gbit/s
 //   links), for SWARM_SIM_BENCH_S virtual seconds (default 600: at the measured speed a full
@@ -55,16 +58,20 @@ struct RealRun {
   uint64_t lost = 0;
 };
 
-RealRun real_run(const json& job) {
+// A real peer: its stage and the arguments it starts with.
+struct RealPeer {
+  int stage;
+  std::vector<std::string> args;
+};
+
+RealRun real_run(const json& job, const std::vector<RealPeer>& peers) {
   char tmpl[] = "/tmp/swarm-bench-sim-XXXXXX";
   const std::string dir = mkdtemp(tmpl) ? tmpl : "/tmp";
   LocalSwarm swarm(dir);
   swarm.start_router();
-  const int S = job["partition"]["stages"].get<int>();
-  for (int s = 0; s < S; ++s)
-    for (int i = 0; i < 2; ++i) swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), 1);
+  for (size_t i = 0; i < peers.size(); ++i) swarm.start_stage(peers[i].stage, "peer" + std::to_string(i), 1, peers[i].args);
   Client c(swarm.router_endpoint());
-  for (int i = 0; i < 400 && c.request_body(wire::MsgType::kPeers, json::object())["peers"].size() < size_t(2 * S); ++i)
+  for (int i = 0; i < 400 && c.request_body(wire::MsgType::kPeers, json::object())["peers"].size() < peers.size(); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   const uint64_t id = c.request_body(wire::MsgType::kSubmit, json{{"spec", job}}).at("job_id").get<uint64_t>();
   // Polled until done; the peers' speeds are read while they work.
@@ -82,7 +89,7 @@ RealRun real_run(const json& job) {
         const double ms = p["heartbeat"].value("ms_per_unit", 0.0) > 0 ? p["heartbeat"]["ms_per_unit"].get<double>() : p.value("ms_per_unit", 0.0);
         if (ms > 0 && p["stage"].get<int>() >= 0) now.emplace_back(p["stage"].get<int>(), ms);
       }
-      if (now.size() == size_t(2 * S)) r.peers = now;
+      if (now.size() == peers.size()) r.peers = now;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }
@@ -143,18 +150,32 @@ ScaleRun scale_run(const std::string& file, double seconds) {
 
 int run_sim_bench(bool as_json) {
   uint64_t lost = 0;
-  // 1. The simulator against the real thing.
+  // 1. The simulator against the real thing: 4 x 2 one-thread peers, and the emulated mix.
   const json job = example_job(60);
-  const RealRun real = real_run(job);
-  lost = std::max(lost, real.lost);
-  const json sim = simulated(job, real, &lost);
-  const double sim_tps = sim["job"].value("tokens_per_s", 0.0);
-  const double vs_real = real.tokens_per_s > 0 ? sim_tps / real.tokens_per_s : 0.0;
-  json measured = json::array();
-  for (const auto& [stage, ms] : real.peers) measured.push_back({{"stage", stage}, {"ms_per_unit", ms}});
-  say(as_json, {{"bench", "sim"}, {"case", "sim_vs_real"}, {"real_tokens_per_s", real.tokens_per_s}, {"sim_tokens_per_s", sim_tps}, {"peers", measured}},
-      "bundled example, 4 x 2: real " + std::to_string(real.tokens_per_s) + " tokens/s, simulated " + std::to_string(sim_tps) + " (" +
-          std::to_string(vs_real) + ")");
+  const int S = job["partition"]["stages"].get<int>();
+  std::vector<RealPeer> even, mix;
+  for (int s = 0; s < S; ++s)
+    for (int i = 0; i < 2; ++i) even.push_back({s, {}});
+  for (int s : {0, 1}) mix.push_back({s, {"--emulate", "2"}});
+  for (int s : {2, 2, 2, 3, 3, 3}) mix.push_back({s, {"--emulate", "8"}});
+  struct Calibration {
+    const char* name;
+    RealRun real;
+    double sim_tps = 0, ratio = 0;
+  };
+  std::vector<Calibration> cal;
+  for (const auto& [name, peers] : {std::pair<const char*, const std::vector<RealPeer>&>{"sim_vs_real", even}, {"sim_vs_real_hetero", mix}}) {
+    Calibration k{name, real_run(job, peers)};
+    lost = std::max(lost, k.real.lost);
+    k.sim_tps = simulated(job, k.real, &lost)["job"].value("tokens_per_s", 0.0);
+    k.ratio = k.real.tokens_per_s > 0 ? k.sim_tps / k.real.tokens_per_s : 0.0;
+    json measured = json::array();
+    for (const auto& [stage, ms] : k.real.peers) measured.push_back({{"stage", stage}, {"ms_per_unit", ms}});
+    say(as_json, {{"bench", "sim"}, {"case", name}, {"real_tokens_per_s", k.real.tokens_per_s}, {"sim_tokens_per_s", k.sim_tps}, {"peers", measured}},
+        std::string(name) + ": real " + std::to_string(k.real.tokens_per_s) + " tokens/s, simulated " + std::to_string(k.sim_tps) + " (" +
+            std::to_string(k.ratio) + ")");
+    cal.push_back(std::move(k));
+  }
 
   // 2. A thousand peers, and ten thousand.
   const char* env = std::getenv("SWARM_SIM_BENCH_S");
@@ -179,13 +200,15 @@ int run_sim_bench(bool as_json) {
 
   json summary{{"bench", "sim"},
                {"figures",
-                {{"sim_vs_real", {{"value", vs_real}, {"target", "0.85 to 1.15"}}},
+                {{"sim_vs_real", {{"value", cal[0].ratio}, {"target", "0.85 to 1.15"}}},
+                 {"sim_vs_real_hetero", {{"value", cal[1].ratio}, {"target", "0.85 to 1.15"}}},
                  {"sim_1000_vs_ideal", {{"value", k1.vs_ideal}, {"target", ">= 0.85 (second half of a " + std::to_string(int(seconds)) + " s run, not the last hour of 3600 s)"}}},
                  {"core_events_per_s", {{"value", k1.perf.value("core_events_per_cpu_s", 0.0)}, {"target", ">= 200000 (1,000 peers)"}}},
                  {"core_events_per_s_10000", {{"value", k10.perf.value("core_events_per_cpu_s", 0.0)}, {"target", "report (10,000 peers)"}}},
                  {"virtual_per_wall", {{"value", k1.perf.value("virtual_per_wall", 0.0)}, {"target", ">= 60 (1,000 peers)"}}},
                  {"lost", {{"value", lost}, {"target", "0"}}}}},
-               {"raw", {{"real_tokens_per_s", real.tokens_per_s}, {"sim_tokens_per_s", sim_tps}, {"sim_1000_virtual_s", seconds},
+               {"raw", {{"real_tokens_per_s", cal[0].real.tokens_per_s}, {"sim_tokens_per_s", cal[0].sim_tps},
+                        {"hetero_real_tokens_per_s", cal[1].real.tokens_per_s}, {"hetero_sim_tokens_per_s", cal[1].sim_tps}, {"sim_1000_virtual_s", seconds},
                         {"perf_1000", k1.perf}, {"perf_10000", k10.perf}, {"last_hour_1000", k1.summary["last_hour"]}}}};
   std::cout << (as_json ? summary.dump() : summary.dump(2)) << std::endl;
   return 0;
