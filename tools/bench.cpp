@@ -75,11 +75,12 @@ double train_tokens_per_s(const json& st) {
   return tps;
 }
 
-json run_swarm(const JobSpec& spec, int threads, const char* what, int peers_per_stage, const std::string& resume, const ChaosPlan* chaos) {
+json run_swarm(const JobSpec& spec, int threads, const char* what, int peers_per_stage, const std::string& resume, const ChaosPlan* chaos,
+               const std::vector<std::string>& stage_args) {
   LocalSwarm swarm(temp_dir(what));
   swarm.start_router();
   for (int s = 0; s < spec.partition.stages; ++s)
-    for (int i = 0; i < peers_per_stage; ++i) swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads);
+    for (int i = 0; i < peers_per_stage; ++i) swarm.start_stage(s, "stage" + std::to_string(s) + "-" + std::to_string(i), threads, stage_args);
   Client c(swarm.router_endpoint());
   json body{{"spec", to_json(spec)}};
   if (!resume.empty()) body["resume"] = resume;

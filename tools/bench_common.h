@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -23,7 +24,8 @@ nlohmann::json example_job();
 // (step-N directory) the job continues from, as `swarm submit --resume`. chaos: a plan run from
 // the job's submission on (the status gets "chaos_actions", how many it took).
 nlohmann::json run_swarm(const JobSpec& spec, int threads, const char* what, int peers_per_stage = 1,
-                         const std::string& resume = "", const ChaosPlan* chaos = nullptr);
+                         const std::string& resume = "", const ChaosPlan* chaos = nullptr,
+                         const std::vector<std::string>& stage_args = {});   // passed to every stage server
 // Tokens/s of the training steps, from a status's history (its last train-loss entry).
 double train_tokens_per_s(const nlohmann::json& status);
 
