@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 
 namespace swarm::router {
 
@@ -12,12 +11,11 @@ namespace {
 
 constexpr size_t kMaxHistory = 65536;   // entries the job keeps; a status carries the newest 4096
 
-wire::Tensor tokens_tensor(const std::vector<int32_t>& v, int B, int T) {
-  wire::Tensor t = wire::make_tensor(wire::DType::kI32, {B, T}, compression::CodecSpec{}, v.size() * 4);
-  std::memcpy(t.data.data(), v.data(), v.size() * 4);
-  wire::seal(t);
-  return t;
+wire::Tensor tokens_tensor(int B, int T) {
+  return wire::make_tensor(wire::DType::kI32, {B, T}, compression::CodecSpec{}, size_t(B) * size_t(T) * 4);
 }
+
+int32_t* tokens_of(wire::Tensor& t) { return static_cast<int32_t*>(t.data.data()); }
 
 FlightConfig flight_config(uint64_t id, const JobSpec& s) {
   FlightConfig f;
@@ -272,14 +270,18 @@ void TrainingJob::record_loss(Ctx& c, uint64_t index, double loss) {
 
 void TrainingJob::take(Ctx& c, uint64_t index, bool eval) {
   const int B = spec_.batch.microbatch_size, T = spec_.model.seq_len;
-  Microbatch d = sample_microbatch(*data_, eval ? Split::kVal : Split::kTrain, spec_.seed, index, B, T);
+  // The tokens go straight into the tensors the stages receive.
+  wire::Tensor x = tokens_tensor(B, T), y = tokens_tensor(B, T);
+  sample_microbatch_into(*data_, eval ? Split::kVal : Split::kTrain, spec_.seed, index, B, T, tokens_of(x), tokens_of(y));
+  wire::seal(x);
+  wire::seal(y);
   Flight f;
   f.index = index;
   f.eval = eval;
   f.kind = eval ? HopKind::kEval : (S_ == 1 ? HopKind::kForwardLoss : HopKind::kForward);
   Flight& in = flights_.add(eval ? (kEvalBit | index) : index, std::move(f));
-  in.inputs[0].bytes = tokens_tensor(d.x, B, T);
-  in.targets = tokens_tensor(d.y, B, T);
+  in.inputs[0].bytes = std::move(x);
+  in.targets = std::move(y);
   if (eval) return;
   taken_++;
   dur_.write_progress(c, steps_done_, taken_, completed_);

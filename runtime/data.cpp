@@ -157,6 +157,17 @@ double TokenData::unigram_loss() const {
 
 Microbatch sample_microbatch(const TokenData& data, Split split, uint64_t seed, uint64_t index,
                              int samples, int seq_len) {
+  Microbatch mb;
+  mb.samples = samples;
+  mb.seq_len = seq_len;
+  mb.x.resize(size_t(std::max(0, samples)) * size_t(std::max(0, seq_len)));
+  mb.y.resize(mb.x.size());
+  sample_microbatch_into(data, split, seed, index, samples, seq_len, mb.x.data(), mb.y.data());
+  return mb;
+}
+
+void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, uint64_t index,
+                            int samples, int seq_len, int32_t* x, int32_t* y) {
   SWARM_CHECK(samples >= 1, "samples must be positive");
   SWARM_CHECK(seq_len >= 1, "seq_len must be positive");
   const std::vector<int32_t>& toks = split == Split::kTrain ? data.train() : data.val();
@@ -169,22 +180,16 @@ Microbatch sample_microbatch(const TokenData& data, Split split, uint64_t seed, 
   const uint64_t n_starts = uint64_t(toks.size()) - uint64_t(seq_len);
   const uint64_t key = splitmix64(splitmix64(seed) ^ (split == Split::kTrain ? 0x7472616eull : 0x76616cull));
 
-  Microbatch mb;
-  mb.samples = samples;
-  mb.seq_len = seq_len;
   const size_t T = size_t(seq_len);
-  mb.x.resize(size_t(samples) * T);
-  mb.y.resize(size_t(samples) * T);
   const uint64_t per_index = splitmix64(key ^ splitmix64(index));
   for (int s = 0; s < samples; ++s) {
     const uint64_t r = splitmix64(per_index ^ splitmix64(uint64_t(s) + 0x5a5a5a5aull));
     // Multiply-high maps r to [0, n_starts) with a bias below n_starts / 2^64.
     const uint64_t o = uint64_t((unsigned __int128)r * n_starts >> 64);
     const int32_t* src = toks.data() + o;
-    std::copy(src, src + T, mb.x.begin() + std::ptrdiff_t(size_t(s) * T));
-    std::copy(src + 1, src + 1 + T, mb.y.begin() + std::ptrdiff_t(size_t(s) * T));
+    std::copy(src, src + T, x + size_t(s) * T);
+    std::copy(src + 1, src + 1 + T, y + size_t(s) * T);
   }
-  return mb;
 }
 
 }  // namespace swarm
