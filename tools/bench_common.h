@@ -1,6 +1,7 @@
-// bench_common.h: what the `swarm bench` files share (tools/bench.cpp defines them): a scratch
+// bench_common.h: what the `swarm bench` files share: a scratch
 // folder, one output line, the bundled example's job, a whole swarm run to its end, and its
-// training throughput. Defines swarm::temp_dir, emit, example_job, run_swarm, train_tokens_per_s.
+// training throughput (tools/bench_common.cpp). Defines swarm::temp_dir, emit, example_job,
+// run_swarm, train_tokens_per_s.
 #pragma once
 
 #include <string>
