@@ -27,6 +27,7 @@
 
 #include "runtime/client.h"
 #include "tools/bench.h"
+#include "tools/bench_common.h"
 #include "tools/hosts.h"
 #include "tools/local_swarm.h"
 
@@ -52,12 +53,7 @@ const std::vector<std::string> kRouterArgs = {"--heartbeat-ms", "1000", "--liven
 constexpr double kWindowFrom = 0.15, kWindowTo = 0.85;
 
 json bench_job() {
-  const std::string path = std::string(SWARM_SOURCE_DIR) + "/examples/tiny_gpt/job.json";
-  std::ifstream f(path);
-  if (!f) throw std::runtime_error("cannot read " + path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  json j = json::parse(ss.str());
+  json j = example_job();
   j["name"] = "bench_hosts";
   j["batch"] = {{"batch_size", 16}, {"microbatch_size", 4}};
   j["schedule"] = "async";
@@ -65,16 +61,6 @@ json bench_job() {
   j["eval"] = {{"every_steps", 0}, {"batches", 2}};
   j["compression"] = {{"activations", "fp32"}, {"gradients", "fp32"}, {"outer", "fp32"}};
   return j;
-}
-
-std::string temp_dir() {
-  char tmpl[] = "/tmp/swarm-bench-hosts-XXXXXX";
-  return mkdtemp(tmpl) ? std::string(tmpl) : std::string("/tmp");
-}
-
-void emit(bool as_json, const json& line, const std::string& text) {
-  if (as_json) std::cout << line.dump() << std::endl;
-  else std::cout << text << std::endl;
 }
 
 struct Case {
@@ -114,7 +100,7 @@ json run_case(const Case& cs, bool as_json) {
   ho.rate_mbit = kRateMbit;
   Hosts hosts(ho);
   auto place = [&](size_t i) { return Place{hosts.exec_prefix(i), hosts.address(i)}; };
-  LocalSwarm swarm(temp_dir());
+  LocalSwarm swarm(temp_dir("hosts"));
   swarm.start_router(kRouterArgs, place(0));
   for (int s = 0; s < kStages; ++s)
     for (int k = 0; k < cs.peers; ++k)
