@@ -71,6 +71,26 @@ void Flights::clear(Ctx& c) {
   flights_.clear();
   waiting_.clear();
   where_.clear();
+  backwards_sent_.clear();
+}
+
+// Counts a training backward's first send at its stage; true when the step's other backwards
+// at this stage went out before it. A peer answers its requests in order, so the one this goes
+// to has then added every backward of the step it was sent. A backward sent again (its output
+// was lost downstream) counts twice and closes the step a little early: the peer then steps
+// early, and a later backward of the step adds to the next step, as any late backward does.
+bool Flights::closes_step(const Flight& f) {
+  if (cfg_.closes_steps_of <= 0 || f.eval || (f.kind != HopKind::kBackward && f.kind != HopKind::kForwardLoss)) return false;
+  const int M = cfg_.closes_steps_of;
+  const uint64_t step = f.index / uint64_t(M);
+  auto& sent = backwards_sent_[step];
+  if (sent.empty()) sent.assign(size_t(cfg_.stages), 0);
+  int& n = sent[size_t(f.stage)];
+  if (f.attempts == 0) n++;
+  const bool closes = n >= M;
+  // Stage 0 sends a step's backwards last: then this step, and any before it, are done with.
+  if (closes && f.stage == 0) backwards_sent_.erase(backwards_sent_.begin(), backwards_sent_.upper_bound(step));
+  return closes;
 }
 
 void Flights::dispatch(Ctx& c) {
@@ -181,6 +201,7 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   body.job_id = cfg_.job;
   body.mb = f.index;
   body.stage = f.stage;
+  if (closes_step(f)) body.closes_step = true;
   wire::Message m = msg::make(msg_type(f.kind), body, 0, f.attempts);
   c.attach(m, f.inputs[s], 0);
   if (!cfg_.echo && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last))) m.tensors.push_back(wire::share(f.targets));

@@ -77,6 +77,9 @@ struct FlightConfig {
   RoutingMode mode = RoutingMode::kSwarm;
   bool echo = false;                              // transport benchmark: a FORWARD's result completes
   bool p2p = false;                               // routing.hops "p2p": peers that listen hold what they make
+  // async: microbatches per job step; a backward hop that is the step's last at its stage says
+  // so (Hop::closes_step). 0: never.
+  int closes_steps_of = 0;
 };
 
 // What a hop's result did.
@@ -168,6 +171,9 @@ class Flights {
   FlightMap flights_;
   std::unordered_map<uint64_t, FlightMap::iterator> where_;
   std::map<uint64_t, Flight*> waiting_;   // map nodes do not move: the pointers stay valid
+  // async (closes_steps_of > 0): per job step, the backwards sent to each stage.
+  std::map<uint64_t, std::vector<int>> backwards_sent_;
+  bool closes_step(const Flight& f);
 };
 
 constexpr uint64_t kEvalBit = uint64_t(1) << 62;   // eval microbatch keys: kEvalBit | batch index

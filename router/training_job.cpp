@@ -37,6 +37,7 @@ FlightConfig flight_config(uint64_t id, const JobSpec& s) {
   f.max_attempts = s.timeouts.max_attempts;
   f.mode = s.routing.mode;
   f.p2p = s.routing.hops == Hops::kP2p;
+  if (s.schedule == Schedule::kAsync) f.closes_steps_of = s.microbatches_per_step();
   return f;
 }
 

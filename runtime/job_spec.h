@@ -148,7 +148,7 @@ struct JobSpec {
   uint64_t seed = 1;
   int steps = 100;                 // optimizer steps of the job (each batch_size samples)
   Schedule schedule = Schedule::kAsync;
-  int max_inflight = 0;            // microbatches in flight at once; 0 -> 2 * stages; at most limits::kMaxInflight
+  int max_inflight = 0;            // microbatches in flight at once; 0 -> one job step's microbatches, at least partition.stages; at most limits::kMaxInflight
   ModelSpec model;
   PartitionSpec partition;
   DataSpec data;

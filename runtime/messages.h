@@ -202,12 +202,18 @@ struct Hop {
   uint64_t job_id = 0;
   uint64_t mb = 0;         // the microbatch's data index (the validation batch's for EVAL)
   int32_t stage = 0;
+  // A training BACKWARD or FORWARD_LOSS under `async`: no other microbatch of this job step is
+  // left to run its backward at this stage, so the peer may take the step once this one's
+  // gradients are added (instead of waiting for the next step's first backward). Sent only
+  // when true: other hops carry no byte more.
+  std::optional<bool> closes_step;
   template <class V>
   void visit(V& v) {
     v.field("eval", eval, kOptional);
     v.field("job_id", job_id, kRequired, kMaxCount);
     v.field("mb", mb, kRequired);
     v.field("stage", stage, kRequired, 0, kMaxStageIndex);
+    v.field("closes_step", closes_step, kOptional);
   }
 };
 

@@ -176,6 +176,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       Message rep = w.handle(work.msg, work.seq);
       faults.wait_while_frozen();  // a freeze holds the reply too
       wire::send(to_io, rep);
+      w.after_reply();
     }
   });
 

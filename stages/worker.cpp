@@ -34,6 +34,11 @@ namespace {
 // The largest |value| a stage input may hold (docs/security.md).
 constexpr float kMaxActivationAbs = 1e5f;
 
+// async weight prediction: a forward runs on the weights its gradient will be applied to plus
+// this many more of the last update (a Nesterov-style look-ahead); what it bought is in
+// docs/schedules.md.
+constexpr double kPredictionLookAhead = 1.0;
+
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
 // A request tensor that is bad (non-finite, out of range, the wrong shape): the router blames
@@ -421,7 +426,7 @@ struct Worker::Impl {
     const torch::Tensor gx = finish_backward(x, r);
     Message rep = result(req, h, r);
     if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_grad(emit(gx)); }));
-    accumulate(samples, h.mb);
+    accumulate(samples, h.mb, h.closes_step.value_or(false) && !h.eval);
     return rep;
   }
 
@@ -477,7 +482,7 @@ struct Worker::Impl {
     drop_unused_snapshots();
     Message rep = result(req, h, r);
     if (!model_->is_first()) rep.tensors.push_back(timed(codec_time_.grad_enc, [&] { return encode_grad(emit(gx)); }));
-    accumulate(samples, h.mb);
+    accumulate(samples, h.mb, h.closes_step.value_or(false) && !h.eval);
     return rep;
   }
 
@@ -515,18 +520,35 @@ struct Worker::Impl {
     if (job_step_of(mb) > held_step_ && !dense_step(spec_, held_step_)) take_step();
   }
 
-  // After a backward's gradients were added. async_local: a peer steps on its own once it has
-  // accumulated inner_batch samples (outside the warm start, whose steps are the round's).
-  void accumulate(int64_t samples, uint64_t mb) {
+  // After a backward's gradients were added. async: the router said no other backward of the
+  // held step is left at this stage (`closes`): the step is taken once the reply is out
+  // (after_reply), so that the step's gradients reach the next forwards sooner and the previous
+  // stage does not wait for it. async_local: a peer steps on its own once it has
+  // accumulated inner_batch samples. Neither in the warm start, whose steps are the round's.
+  void accumulate(int64_t samples, uint64_t mb, bool closes) {
     accum_samples_ += samples;
     held_step_ = std::max(held_step_, job_step_of(mb));
+    if (dense_step(spec_, held_step_)) return;
     const int inner = spec_.batch.inner_batch > 0 ? spec_.batch.inner_batch : spec_.batch.batch_size;
-    if (spec_.schedule == Schedule::kAsyncLocal && !dense_step(spec_, held_step_) && accum_samples_ >= inner) take_step();
+    if (spec_.schedule == Schedule::kAsyncLocal && accum_samples_ >= inner) take_step();
+    if (spec_.schedule == Schedule::kAsync && closes && job_step_of(mb) == held_step_) step_due_ = true;
+  }
+
+  void after_reply() {
+    if (!step_due_) return;
+    try {
+      take_step();
+    } catch (const std::exception& e) {
+      // No reply to carry it: the next backward's step, or the barrier's STEP, tries again.
+      step_due_ = false;
+      log_warn("stage", std::string("the step a closing backward ended failed: ") + e.what());
+    }
   }
 
   // `skip`: the router's instruction (another stage overflowed). An overflow here skips too.
   // Returns true when the step was skipped.
   bool take_step(bool skip = false) {
+    step_due_ = false;
     if (accum_samples_ == 0 && !prec_.overflow_pending()) return false;
     const double scale = prec_.scale();
     const bool skipped = prec_.skip_step(skip);
@@ -549,8 +571,10 @@ struct Worker::Impl {
     const double mean_stale = double(stale_samples_) / double(accum_samples_);
     const double lr_factor = async ? 1.0 / (1.0 + mean_stale) : 1.0;
     // async: the update this step makes, and how late its samples were, predict the weights of
-    // the next version's forwards (WeightVersions::current; the last stage runs each backward at once).
-    versions_.before_change(*model_, async && !model_->is_last(), mean_stale);
+    // the next version's forwards (WeightVersions::current; the last stage runs each backward at
+    // once): as many updates on as the gradients will be applied late, plus one look-ahead update
+    // (docs/schedules.md, "Weight versions and prediction").
+    versions_.before_change(*model_, async && !model_->is_last(), mean_stale + kPredictionLookAhead);
     const double norm = optim_->step(accum_samples_, scale, lr_step, lr_factor);
     versions_.after_step(*model_);
     drop_unused_snapshots();
@@ -939,6 +963,7 @@ struct Worker::Impl {
   StagePrecision prec_;
   std::vector<float> theta_g_, momentum_;  // the group's global weights and outer momentum (fp32, CPU)
   int64_t accum_samples_ = 0;              // samples in the gradients since the last inner step
+  bool step_due_ = false;                   // async: the held step is to be taken after this reply
   int held_step_ = 0;                      // the latest job step (1-based) whose microbatches this peer ran a backward of
   std::map<int, std::vector<float>> sent_;  // local weights of a fragment when its delta left
   std::unique_ptr<compression::ErrorFeedback> outer_ef_ = std::make_unique<compression::ErrorFeedback>();  // what a lossy outer codec has not sent yet
@@ -951,5 +976,6 @@ Worker::Worker(const StageOptions& opt, SharedStats& stats, StageFaults& faults,
     : impl_(std::make_unique<Impl>(opt, stats, faults, caps)) {}
 Worker::~Worker() = default;
 wire::Message Worker::handle(wire::Message& req, uint64_t seq) { return impl_->handle(req, seq); }
+void Worker::after_reply() { impl_->after_reply(); }
 
 }  // namespace swarm

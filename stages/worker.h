@@ -48,6 +48,9 @@ class Worker {
   // Handles one request (number `seq` since the process started, for fault triggers) and returns
   // the reply: an ERROR for bad input.
   wire::Message handle(wire::Message& req, uint64_t seq = 0);
+  // After the reply to handle() went out: work that no reply waits for (async: the step a
+  // backward marked `closes_step` ended).
+  void after_reply();
 
  private:
   struct Impl;

@@ -4,6 +4,7 @@
 // that one malformed message used to trigger. Each asserts what the core sent and why.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -51,6 +52,35 @@ TEST(Core, TrainsAJobToTheEndWithNothingLost) {
   EXPECT_TRUE(st["val_loss"].is_number());
   // Every round was reduced by a peer of the group, never by the router.
   EXPECT_GT(received(f, "p-a0", MsgType::kRoundReduce) + received(f, "p-a1", MsgType::kRoundReduce), 0u);
+}
+
+// async: the backward that is a job step's last at its stage says so, so that its peer steps at
+// once; the others, and every backward under sync, do not.
+TEST(Core, UnderAsyncAStepsLastBackwardAtEachStageClosesTheStep) {
+  for (const std::string schedule : {"async", "sync"}) {
+    FakeSwarm f;
+    two_by_two(f);
+    json spec = FakeSwarm::tiny_spec(2, 4);
+    spec["schedule"] = schedule;
+    const uint64_t job = f.submit(f.client(), spec);
+    ASSERT_TRUE(f.run(30, [&] { return done(f, job); })) << schedule;
+    ASSERT_EQ(f.status(job)["microbatches"]["resent"], 0) << schedule;
+    // (stage, job step) -> (request id, closes_step) of each training backward sent there.
+    std::map<std::pair<int, uint64_t>, std::vector<std::pair<uint64_t, bool>>> sent;
+    for (auto& [id, p] : f.peers)
+      for (const wire::Message& m : p.received)
+        if (m.type == MsgType::kBackward || m.type == MsgType::kForwardLoss) {
+          const msg::Hop h = msg::read<msg::Hop>(m);
+          sent[{h.stage, h.mb / 2}].emplace_back(m.id, h.closes_step.value_or(false));  // 2 microbatches per step
+        }
+    ASSERT_EQ(sent.size(), 2u * 4u) << schedule;  // 2 stages x 4 steps
+    for (auto& [at, v] : sent) {
+      ASSERT_EQ(v.size(), 2u);
+      std::sort(v.begin(), v.end());
+      EXPECT_FALSE(v[0].second) << schedule << " stage " << at.first << " step " << at.second;
+      EXPECT_EQ(v[1].second, schedule == "async") << "stage " << at.first << " step " << at.second;
+    }
+  }
 }
 
 TEST(Core, APeerDyingMidForwardHasItsHopResentElsewhere) {
