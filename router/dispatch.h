@@ -8,13 +8,13 @@
 // the recomputed unit counts three times in the comparison, being capacity the stage loses.
 #pragma once
 
-#include <string>
+#include <cstddef>
 #include <vector>
 
 namespace swarm {
 
+// Candidates go in the stage's peer order; the choice is an index into it.
 struct Candidate {
-  std::string id;
   double queued_units = 0;   // work already sent to it and not yet answered
   double ms_per_unit = 0;    // 0: not measured yet
   bool affinity = false;     // ran this microbatch's forward (backward only)

@@ -175,7 +175,6 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   cands.reserve(peers.size());
   for (const Peer* p : peers) {
     Candidate cd;
-    cd.id = p->id;
     cd.queued_units = p->queued_units;
     cd.ms_per_unit = p->speed_ms();
     cd.affinity = f.kind == HopKind::kBackward && f.fwd_peer[size_t(f.stage)] == p->id;

@@ -6,9 +6,9 @@
 using namespace swarm;
 
 namespace {
-Candidate peer(const char* id, double queued, double ms, bool affinity = false, bool excluded = false) {
+// `name` only says in the test what the candidate stands for.
+Candidate peer(const char* /*name*/, double queued, double ms, bool affinity = false, bool excluded = false) {
   Candidate c;
-  c.id = id;
   c.queued_units = queued;
   c.ms_per_unit = ms;
   c.affinity = affinity;
