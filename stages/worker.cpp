@@ -540,7 +540,6 @@ struct Worker::Impl {
       take_step();
     } catch (const std::exception& e) {
       // No reply to carry it: the next backward's step, or the barrier's STEP, tries again.
-      step_due_ = false;
       log_warn("stage", std::string("the step a closing backward ended failed: ") + e.what());
     }
   }
