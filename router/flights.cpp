@@ -79,7 +79,7 @@ void Flights::clear(Ctx& c) {
 // to has then added every backward of the step it was sent. A backward sent again (its output
 // was lost downstream) counts twice and closes the step a little early: the peer then steps
 // early, and a later backward of the step adds to the next step, as any late backward does.
-bool Flights::closes_step(const Flight& f) {
+bool Flights::count_backward(const Flight& f) {
   if (cfg_.closes_steps_of <= 0 || f.eval || (f.kind != HopKind::kBackward && f.kind != HopKind::kForwardLoss)) return false;
   const int M = cfg_.closes_steps_of;
   const uint64_t step = f.index / uint64_t(M);
@@ -200,7 +200,7 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   body.job_id = cfg_.job;
   body.mb = f.index;
   body.stage = f.stage;
-  if (closes_step(f)) body.closes_step = true;
+  if (count_backward(f)) body.closes_step = true;
   wire::Message m = msg::make(msg_type(f.kind), body, 0, f.attempts);
   c.attach(m, f.inputs[s], 0);
   if (!cfg_.echo && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last))) m.tensors.push_back(wire::share(f.targets));

@@ -173,7 +173,8 @@ class Flights {
   std::map<uint64_t, Flight*> waiting_;   // map nodes do not move: the pointers stay valid
   // async (closes_steps_of > 0): per job step, the backwards sent to each stage.
   std::map<uint64_t, std::vector<int>> backwards_sent_;
-  bool closes_step(const Flight& f);
+  // Counts a training backward sent (first attempts only); true when it is its step's last at its stage.
+  bool count_backward(const Flight& f);
 };
 
 constexpr uint64_t kEvalBit = uint64_t(1) << 62;   // eval microbatch keys: kEvalBit | batch index
