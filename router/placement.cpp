@@ -18,13 +18,35 @@ bool close(double a, double b) {
   return std::fabs(a - b) <= kRelTol * std::max({1.0, std::fabs(a), std::fabs(b)});
 }
 
-// -1, 0, 1: a is lexicographically smaller, equal, larger, comparing sorted copies.
+// -1, 0, 1: sorted a is lexicographically smaller, equal, larger than sorted b.
+int compare_presorted(const std::vector<double>& a, const std::vector<double>& b) {
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    if (a[i] != b[i] && !close(a[i], b[i])) return a[i] < b[i] ? -1 : 1;
+  return 0;
+}
+
+// The same, comparing sorted copies.
 int compare_sorted(std::vector<double> a, std::vector<double> b) {
   std::sort(a.begin(), a.end());
   std::sort(b.begin(), b.end());
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
-    if (!close(a[i], b[i])) return a[i] < b[i] ? -1 : 1;
-  return 0;
+  return compare_presorted(a, b);
+}
+
+// `sorted` (ascending) with its elements at ia and ib (ia != ib) replaced by new_a and new_b,
+// into `out`, still ascending: the sorted throughputs after a move, in O(stages).
+void replace_two_sorted(const std::vector<double>& sorted, size_t ia, size_t ib, double new_a, double new_b, std::vector<double>& out) {
+  if (new_b < new_a) std::swap(new_a, new_b);
+  out.clear();
+  bool a_in = false, b_in = false;
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    if (i == ia || i == ib) continue;
+    const double v = sorted[i];
+    if (!a_in && new_a <= v) out.push_back(new_a), a_in = true;
+    if (a_in && !b_in && new_b <= v) out.push_back(new_b), b_in = true;
+    out.push_back(v);
+  }
+  if (!a_in) out.push_back(new_a);
+  if (!b_in) out.push_back(new_b);
 }
 
 std::string num(double v) {
@@ -142,8 +164,19 @@ class Planner {
 
   // The best move into stage b from `st`, or none. `urgent` (b has no peer) waives the progress
   // test and settling; `allow_restricted` admits moves that need reverse_gain.
+  // Each candidate costs O(stages): its sorted throughputs are the current sorted ones with two
+  // values replaced, and its Option is built only when it is the best so far.
   std::optional<Option> best_into(const PlanState& st, int b, bool urgent, bool allow_restricted, Skips* skips) const {
     std::optional<Option> best;
+    // The throughputs in ascending order, and each stage's place in that order.
+    std::vector<size_t> order(st.t.size()), place(st.t.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return st.t[x] < st.t[y] || (st.t[x] == st.t[y] && x < y); });
+    std::vector<double> sorted(st.t.size()), cand_sorted, best_sorted;
+    for (size_t k = 0; k < order.size(); ++k) {
+      sorted[k] = st.t[order[k]];
+      place[order[k]] = k;
+    }
     for (size_t i = 0; i < reg_.peers.size(); ++i) {
       const PeerView& p = reg_.peers[i];
       const int s = st.stage[i];
@@ -153,19 +186,25 @@ class Planner {
       if (!(p.speed > 0)) { if (skips) skips->unmeasured++; continue; }
       if (st.ready[size_t(s)] - (p.ready ? 1 : 0) < 1) { if (skips) skips->last++; continue; }  // never empties a stage
       if (!fits(reg_, p, b)) { if (skips) skips->small++; continue; }
+      const double from_after = st.t[size_t(s)] - eff_[i] / cost(reg_, s);
+      const double to_after = st.t[size_t(b)] + eff_[i] / cost(reg_, b);
+      // Progress: both stages the move touches end above the target's throughput now.
+      const double pair = std::min(from_after, to_after);
+      if (!urgent && (pair <= st.t[size_t(b)] || close(pair, st.t[size_t(b)]))) continue;
+      const bool restr = !urgent && restricted(i, s, b);
+      if (restr && !allow_restricted) continue;
+      replace_two_sorted(sorted, place[size_t(s)], place[size_t(b)], from_after, to_after, cand_sorted);
+      if (best && !better(cand_sorted, s, i, best_sorted, *best, st)) continue;
       Option o;
       o.peer = i;
       o.from = s;
       o.to = b;
       o.after = st.t;
-      o.after[size_t(s)] -= eff_[i] / cost(reg_, s);
-      o.after[size_t(b)] += eff_[i] / cost(reg_, b);
-      // Progress: both stages the move touches end above the target's throughput now.
-      const double pair = std::min(o.after[size_t(s)], o.after[size_t(b)]);
-      if (!urgent && (pair <= st.t[size_t(b)] || close(pair, st.t[size_t(b)]))) continue;
-      o.restricted = !urgent && restricted(i, s, b);
-      if (o.restricted && !allow_restricted) continue;
-      if (!best || better(o, *best, st)) best = std::move(o);
+      o.after[size_t(s)] = from_after;
+      o.after[size_t(b)] = to_after;
+      o.restricted = restr;
+      best = std::move(o);
+      best_sorted.swap(cand_sorted);
     }
     return best;
   }
@@ -209,12 +248,14 @@ class Planner {
     return eff_[i] >= 0.5 * back_min_[size_t(from) * size_t(reg_.stages) + size_t(to)];
   }
 
-  // Larger sorted throughputs after the move; then the source with the most spare; then the id.
-  bool better(const Option& a, const Option& b, const PlanState& st) const {
-    const int c = compare_sorted(a.after, b.after);
+  // Whether moving peer a_peer from a_from (sorted throughputs after: a_sorted) beats `b`: larger
+  // sorted throughputs after the move; then the source with the most spare; then the id.
+  bool better(const std::vector<double>& a_sorted, int a_from, size_t a_peer, const std::vector<double>& b_sorted, const Option& b,
+              const PlanState& st) const {
+    const int c = compare_presorted(a_sorted, b_sorted);
     if (c != 0) return c > 0;
-    if (!close(st.t[size_t(a.from)], st.t[size_t(b.from)])) return st.t[size_t(a.from)] > st.t[size_t(b.from)];
-    return reg_.peers[a.peer].id < reg_.peers[b.peer].id;
+    if (!close(st.t[size_t(a_from)], st.t[size_t(b.from)])) return st.t[size_t(a_from)] > st.t[size_t(b.from)];
+    return reg_.peers[a_peer].id < reg_.peers[b.peer].id;
   }
 
   const Registry& reg_;
