@@ -5,6 +5,7 @@
 
 #include "router/dispatch.h"
 #include "router/placement.h"
+#include "runtime/random.h"
 #include "runtime/timing.h"
 
 namespace swarm::router {
@@ -153,10 +154,24 @@ void Flights::on_peer_gone(const PeerId& peer) {
   }
 }
 
-// Static routing (GPipe/DeepSpeed style, for comparison): pipeline i chains the i-th ready peer
-// of every stage in join order; microbatch k always runs on pipeline k mod P.
+// Every ready peer of the stage, or in a large stage a seeded sample of them (the draws are a
+// function of the job, the microbatch, the stage and the attempt, so a run replays) with the
+// forward's peer added for a backward. Static routing (GPipe/DeepSpeed style, for comparison):
+// pipeline i chains the i-th ready peer of every stage in join order; microbatch k always runs on
+// pipeline k mod P.
 std::vector<Peer*> Flights::candidates(Ctx& c, const Flight& f) {
-  if (cfg_.mode != RoutingMode::kStatic || cfg_.echo) return c.peers.stage_peers(cfg_.job, f.stage, c.now);
+  if (cfg_.mode != RoutingMode::kStatic || cfg_.echo) {
+    if (c.peers.ready_count(cfg_.job, f.stage) <= kSampleAbove) return c.peers.stage_peers(cfg_.job, f.stage, c.now);
+    const uint64_t stream = (uint64_t(f.stage) << 32) | (uint64_t(f.kind) << 24) | uint64_t(f.attempts);
+    std::vector<Peer*> out = c.peers.sample_ready(cfg_.job, f.stage, c.now, kSampled, [&](uint64_t i) { return counter_draw(cfg_.job, f.index, i, stream); });
+    if (f.kind == HopKind::kBackward && !f.fwd_peer[size_t(f.stage)].empty()) {
+      Peer* holder = c.peers.find(f.fwd_peer[size_t(f.stage)]);
+      if (holder && holder->job_id == cfg_.job && holder->stage == f.stage && holder->state == PeerState::kReady &&
+          c.now >= holder->unresponsive_until_s && std::find(out.begin(), out.end(), holder) == out.end())
+        out.push_back(holder);
+    }
+    return out.empty() ? c.peers.stage_peers(cfg_.job, f.stage, c.now) : out;
+  }
   std::vector<std::vector<std::string>> by_stage(size_t(cfg_.stages));
   for (int s = 0; s < cfg_.stages; ++s)
     for (const Peer* p : c.peers.stage_peers(cfg_.job, s, c.now)) by_stage[size_t(s)].push_back(p->id);

@@ -143,6 +143,12 @@ class Flights {
   // SWARM_CHECKs: every flight waiting on a request has it pending, to the peer it names.
   void check(const Requests& r) const;
 
+  // A stage with more ready peers than this is dispatched among kSampled of them drawn at
+  // random, plus the peer holding the microbatch's forward graph (power of k choices): a hop's
+  // dispatch then costs the same at 300 peers per stage as at 30.
+  static constexpr size_t kSampleAbove = 64;
+  static constexpr size_t kSampled = 16;
+
  private:
   void send_hop(Ctx& c, uint64_t key, Flight& f);
   std::vector<Peer*> candidates(Ctx& c, const Flight& f);

@@ -68,6 +68,7 @@ void Registry::unindex(const Peer& p) {
   SWARM_CHECK(b != by_stage_.end() && b->second.peers.erase(p.seq) == 1, "peer " + p.hello.name + " is missing from the stage index");
   ready_changed(b->first, b->second.ready, b->second.ready - (p.state == PeerState::kReady));
   b->second.ready -= p.state == PeerState::kReady;
+  if (p.state == PeerState::kReady) unlist_ready(b->second, p);
   b->second.idle -= p.state == PeerState::kIdle;
   if (b->second.peers.empty()) by_stage_.erase(b);
 }
@@ -78,6 +79,20 @@ void Registry::index(Peer& p) {
   ready_changed({p.job_id, p.stage}, b.ready, b.ready + (p.state == PeerState::kReady));
   b.ready += p.state == PeerState::kReady;
   b.idle += p.state == PeerState::kIdle;
+  if (p.state == PeerState::kReady) list_ready(b, p);
+}
+
+void Registry::list_ready(StageIndex& b, Peer& p) {
+  p.ready_pos = b.ready_list.size();
+  b.ready_list.push_back(&p);
+}
+
+void Registry::unlist_ready(StageIndex& b, const Peer& p) {
+  SWARM_CHECK(p.ready_pos < b.ready_list.size() && b.ready_list[p.ready_pos] == &p, "peer " + p.hello.name + " is missing from its stage's ready list");
+  Peer* last = b.ready_list.back();
+  b.ready_list[p.ready_pos] = last;
+  last->ready_pos = p.ready_pos;
+  b.ready_list.pop_back();
 }
 
 void Registry::place(Peer& p, uint64_t job, int stage) {
@@ -95,6 +110,8 @@ void Registry::set_state(Peer& p, PeerState s) {
   ready_changed({p.job_id, p.stage}, b.ready, ready);
   b.ready = ready;
   b.idle = b.idle - (p.state == PeerState::kIdle) + (s == PeerState::kIdle);
+  if (p.state == PeerState::kReady) unlist_ready(b, p);
+  if (s == PeerState::kReady) list_ready(b, p);
   p.state = s;
 }
 
@@ -110,9 +127,11 @@ void Registry::check_index() const {
                   "peer " + p->hello.name + " changed its job or stage without Registry::place");
       ready += p->state == PeerState::kReady;
       idle += p->state == PeerState::kIdle;
+      SWARM_CHECK(p->state != PeerState::kReady || (p->ready_pos < b.ready_list.size() && b.ready_list[p->ready_pos] == p),
+                  "ready peer " + p->hello.name + " is not in its stage's ready list where it says");
       n++;
     }
-    SWARM_CHECK(ready == b.ready && idle == b.idle, "a peer changed its state without Registry::set_state");
+    SWARM_CHECK(ready == b.ready && idle == b.idle && ready == b.ready_list.size(), "a peer changed its state without Registry::set_state");
   }
   SWARM_CHECK(n == peers_.size(), "the stage index does not hold every peer");
   SWARM_CHECK(ready_stages == ready_stages_, "the count of stages with a ready peer is off");
@@ -209,6 +228,11 @@ std::vector<Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bo
 bool Registry::any_ready(uint64_t job, int stage) const {
   auto b = by_stage_.find({job, stage});
   return b != by_stage_.end() && b->second.ready > 0;
+}
+
+size_t Registry::ready_count(uint64_t job, int stage) const {
+  auto b = by_stage_.find({job, stage});
+  return b == by_stage_.end() ? 0 : b->second.ready;
 }
 
 bool Registry::any_idle(uint64_t job) const {

@@ -45,6 +45,7 @@ struct Peer {
   uint64_t results = 0, failures = 0, integrity_failures = 0, timeouts = 0;
   int timeouts_in_row = 0;        // deadlines passed since its last answer
   double unresponsive_until_s = 0;
+  size_t ready_pos = 0;           // while ready: its place in its stage's list of ready peers
   double last_moved_s = -1e300;   // when the rebalancer last moved it
   int last_from = -1;             // the stage it was last moved from
   msg::Heartbeat heartbeat;       // its last heartbeat
@@ -111,6 +112,23 @@ class Registry {
   // Whether a peer of `stage` of `job` is ready (stage_peers(...) is not empty), without a list:
   // O(log stages).
   bool any_ready(uint64_t job, int stage) const;
+  // How many peers of `stage` of `job` are ready: O(log stages).
+  size_t ready_count(uint64_t job, int stage) const;
+  // Up to `k` ready, responsive peers of `stage` of `job`, drawn at random without repeats
+  // (`draw(i)` gives draw number i, uniform over uint64): O(k^2), whatever the stage's size.
+  template <class Draw>
+  std::vector<Peer*> sample_ready(uint64_t job, int stage, double now, size_t k, Draw&& draw) {
+    std::vector<Peer*> out;
+    auto b = by_stage_.find({job, stage});
+    if (b == by_stage_.end() || b->second.ready_list.empty()) return out;
+    const std::vector<Peer*>& list = b->second.ready_list;
+    k = std::min(k, list.size());
+    for (uint64_t i = 0; out.size() < k && i < 4 * k; ++i) {
+      Peer* p = list[size_t(draw(i) % list.size())];
+      if (now >= p->unresponsive_until_s && std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+    }
+    return out;
+  }
   // How many stages (>= 0) of `job` have a ready peer: one hash lookup (every event asks whether
   // a stage is empty).
   size_t ready_stages(uint64_t job) const {
@@ -147,6 +165,7 @@ class Registry {
   struct StageIndex {
     std::map<uint64_t, Peer*> peers;   // by seq
     size_t ready = 0;                  // of them in PeerState::kReady
+    std::vector<Peer*> ready_list;     // those, in no order (each knows its place: Peer::ready_pos)
     size_t idle = 0;                   // of them in PeerState::kIdle
   };
   std::map<std::pair<uint64_t, int>, StageIndex> by_stage_;
@@ -155,6 +174,8 @@ class Registry {
   std::unordered_multimap<std::string, Peer*> by_listen_;   // hello.listen -> the peers that gave it (not "")
   void unindex(const Peer& p);
   void index(Peer& p);
+  static void list_ready(StageIndex& b, Peer& p);
+  static void unlist_ready(StageIndex& b, const Peer& p);
 };
 
 }  // namespace swarm::router

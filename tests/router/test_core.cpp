@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "router/flights.h"
 #include "tests/support/fake_swarm.h"
 
 namespace swarm::router {
@@ -81,6 +82,51 @@ TEST(Core, UnderAsyncAStepsLastBackwardAtEachStageClosesTheStep) {
       EXPECT_EQ(v[1].second, schedule == "async") << "stage " << at.first << " step " << at.second;
     }
   }
+}
+
+// A stage of more than Flights::kSampleAbove ready peers dispatches each hop among a seeded
+// sample of them plus the forward's peer: the work still spreads over the whole stage, a
+// backward still goes where its forward's graph is cached, and the same run sends the same hops.
+TEST(Core, InAStageOfManyPeersHopsGoToASampleAndBackwardsFindTheirForwardsPeer) {
+  auto run = [](std::vector<std::tuple<PeerId, int, uint64_t>>& order) {
+    FakeSwarm f;
+    for (int s = 0; s < 2; ++s)
+      for (int i = 0; i < 70; ++i) f.join("s" + std::to_string(s) + "-" + std::to_string(i), s);
+    json spec = FakeSwarm::tiny_spec(2, 6);
+    spec["schedule"] = "async";
+    spec["batch"] = {{"batch_size", 64}, {"microbatch_size", 2}};   // 32 microbatches per step, 32 in flight
+    spec["diloco"]["inner_steps"] = 100;                             // no round in the run
+    const uint64_t job = f.submit(f.client(), spec);
+    ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+    EXPECT_EQ(f.status(job)["microbatches"]["lost"], 0);
+    std::map<uint64_t, PeerId> forward_of;   // stage 0's forward of each microbatch
+    std::set<PeerId> busy;
+    size_t backwards = 0, at_forwards_peer = 0;
+    for (auto& [id, p] : f.peers)
+      for (const wire::Message& m : p.received) {
+        if (m.type != MsgType::kForward && m.type != MsgType::kBackward) continue;
+        const msg::Hop h = msg::read<msg::Hop>(m);
+        if (h.stage != 0 || h.eval) continue;
+        order.emplace_back(id, int(m.type), m.id);
+        if (m.type == MsgType::kForward) forward_of[h.mb] = id, busy.insert(id);
+      }
+    for (auto& [id, p] : f.peers)
+      for (const wire::Message& m : p.received)
+        if (m.type == MsgType::kBackward) {
+          const msg::Hop h = msg::read<msg::Hop>(m);
+          backwards++;
+          at_forwards_peer += forward_of.at(h.mb) == id;
+        }
+    EXPECT_EQ(backwards, 6u * 32u);
+    EXPECT_EQ(at_forwards_peer, backwards);
+    EXPECT_GT(busy.size(), 3 * router::Flights::kSampled) << "forwards went to " << busy.size() << " of 70 peers";
+  };
+  std::vector<std::tuple<PeerId, int, uint64_t>> first, second;
+  run(first);
+  run(second);
+  std::sort(first.begin(), first.end());
+  std::sort(second.begin(), second.end());
+  EXPECT_EQ(first, second);
 }
 
 TEST(Core, APeerDyingMidForwardHasItsHopResentElsewhere) {
