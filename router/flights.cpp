@@ -155,10 +155,10 @@ void Flights::on_peer_gone(const PeerId& peer) {
 }
 
 // Every ready peer of the stage, or in a large stage a seeded sample of them (the draws are a
-// function of the job, the microbatch, the stage and the attempt, so a run replays) with the
-// forward's peer added for a backward. Static routing (GPipe/DeepSpeed style, for comparison):
-// pipeline i chains the i-th ready peer of every stage in join order; microbatch k always runs on
-// pipeline k mod P.
+// function of the job, the microbatch, the stage, the hop's kind and its attempt, so a run
+// replays) with the forward's peer added for a backward. Static routing (GPipe/DeepSpeed style,
+// for comparison): pipeline i chains the i-th ready peer of every stage in join order;
+// microbatch k always runs on pipeline k mod P.
 std::vector<Peer*> Flights::candidates(Ctx& c, const Flight& f) {
   if (cfg_.mode != RoutingMode::kStatic || cfg_.echo) {
     if (c.peers.ready_count(cfg_.job, f.stage) <= kSampleAbove) return c.peers.stage_peers(cfg_.job, f.stage, c.now);

@@ -66,9 +66,7 @@ void Registry::ready_changed(const std::pair<uint64_t, int>& key, size_t before,
 void Registry::unindex(const Peer& p) {
   auto b = by_stage_.find({p.job_id, p.stage});
   SWARM_CHECK(b != by_stage_.end() && b->second.peers.erase(p.seq) == 1, "peer " + p.hello.name + " is missing from the stage index");
-  ready_changed(b->first, b->second.ready, b->second.ready - (p.state == PeerState::kReady));
-  b->second.ready -= p.state == PeerState::kReady;
-  if (p.state == PeerState::kReady) unlist_ready(b->second, p);
+  if (p.state == PeerState::kReady) unlist_ready(b->first, b->second, p);
   b->second.idle -= p.state == PeerState::kIdle;
   if (b->second.peers.empty()) by_stage_.erase(b);
 }
@@ -76,23 +74,23 @@ void Registry::unindex(const Peer& p) {
 void Registry::index(Peer& p) {
   StageIndex& b = by_stage_[{p.job_id, p.stage}];
   b.peers[p.seq] = &p;
-  ready_changed({p.job_id, p.stage}, b.ready, b.ready + (p.state == PeerState::kReady));
-  b.ready += p.state == PeerState::kReady;
   b.idle += p.state == PeerState::kIdle;
-  if (p.state == PeerState::kReady) list_ready(b, p);
+  if (p.state == PeerState::kReady) list_ready({p.job_id, p.stage}, b, p);
 }
 
-void Registry::list_ready(StageIndex& b, Peer& p) {
-  p.ready_pos = b.ready_list.size();
-  b.ready_list.push_back(&p);
+void Registry::list_ready(const std::pair<uint64_t, int>& key, StageIndex& b, Peer& p) {
+  ready_changed(key, b.ready.size(), b.ready.size() + 1);
+  p.ready_pos = b.ready.size();
+  b.ready.push_back(&p);
 }
 
-void Registry::unlist_ready(StageIndex& b, const Peer& p) {
-  SWARM_CHECK(p.ready_pos < b.ready_list.size() && b.ready_list[p.ready_pos] == &p, "peer " + p.hello.name + " is missing from its stage's ready list");
-  Peer* last = b.ready_list.back();
-  b.ready_list[p.ready_pos] = last;
+void Registry::unlist_ready(const std::pair<uint64_t, int>& key, StageIndex& b, const Peer& p) {
+  SWARM_CHECK(p.ready_pos < b.ready.size() && b.ready[p.ready_pos] == &p, "peer " + p.hello.name + " is missing from its stage's ready list");
+  ready_changed(key, b.ready.size(), b.ready.size() - 1);
+  Peer* last = b.ready.back();
+  b.ready[p.ready_pos] = last;
   last->ready_pos = p.ready_pos;
-  b.ready_list.pop_back();
+  b.ready.pop_back();
 }
 
 void Registry::place(Peer& p, uint64_t job, int stage) {
@@ -106,12 +104,9 @@ void Registry::place(Peer& p, uint64_t job, int stage) {
 void Registry::set_state(Peer& p, PeerState s) {
   if (p.state == s) return;
   StageIndex& b = by_stage_.at({p.job_id, p.stage});
-  const size_t ready = b.ready - (p.state == PeerState::kReady) + (s == PeerState::kReady);
-  ready_changed({p.job_id, p.stage}, b.ready, ready);
-  b.ready = ready;
   b.idle = b.idle - (p.state == PeerState::kIdle) + (s == PeerState::kIdle);
-  if (p.state == PeerState::kReady) unlist_ready(b, p);
-  if (s == PeerState::kReady) list_ready(b, p);
+  if (p.state == PeerState::kReady) unlist_ready({p.job_id, p.stage}, b, p);
+  if (s == PeerState::kReady) list_ready({p.job_id, p.stage}, b, p);
   p.state = s;
 }
 
@@ -119,7 +114,7 @@ void Registry::check_index() const {
   size_t n = 0;
   std::unordered_map<uint64_t, size_t> ready_stages;
   for (const auto& [key, b] : by_stage_) {
-    if (key.second >= 0 && b.ready > 0) ready_stages[key.first]++;
+    if (key.second >= 0 && !b.ready.empty()) ready_stages[key.first]++;
     SWARM_CHECK(!b.peers.empty(), "an empty stage index entry");
     size_t ready = 0, idle = 0;
     for (const auto& [seq, p] : b.peers) {
@@ -127,11 +122,11 @@ void Registry::check_index() const {
                   "peer " + p->hello.name + " changed its job or stage without Registry::place");
       ready += p->state == PeerState::kReady;
       idle += p->state == PeerState::kIdle;
-      SWARM_CHECK(p->state != PeerState::kReady || (p->ready_pos < b.ready_list.size() && b.ready_list[p->ready_pos] == p),
+      SWARM_CHECK(p->state != PeerState::kReady || (p->ready_pos < b.ready.size() && b.ready[p->ready_pos] == p),
                   "ready peer " + p->hello.name + " is not in its stage's ready list where it says");
       n++;
     }
-    SWARM_CHECK(ready == b.ready && idle == b.idle && ready == b.ready_list.size(), "a peer changed its state without Registry::set_state");
+    SWARM_CHECK(ready == b.ready.size() && idle == b.idle, "a peer changed its state without Registry::set_state");
   }
   SWARM_CHECK(n == peers_.size(), "the stage index does not hold every peer");
   SWARM_CHECK(ready_stages == ready_stages_, "the count of stages with a ready peer is off");
@@ -217,7 +212,7 @@ void Registry::measured(Peer& p, double compute_ms, double units, double latency
 std::vector<Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bool ready_only) {
   std::vector<Peer*> out, unresponsive;
   auto b = by_stage_.find({job, stage});
-  if (b == by_stage_.end() || (ready_only && b->second.ready == 0)) return out;
+  if (b == by_stage_.end() || (ready_only && b->second.ready.empty())) return out;
   for (const auto& [seq, p] : b->second.peers) {   // in join order
     if (ready_only && p->state != PeerState::kReady) continue;
     (ready_only && now < p->unresponsive_until_s ? unresponsive : out).push_back(p);
@@ -227,12 +222,12 @@ std::vector<Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bo
 
 bool Registry::any_ready(uint64_t job, int stage) const {
   auto b = by_stage_.find({job, stage});
-  return b != by_stage_.end() && b->second.ready > 0;
+  return b != by_stage_.end() && !b->second.ready.empty();
 }
 
 size_t Registry::ready_count(uint64_t job, int stage) const {
   auto b = by_stage_.find({job, stage});
-  return b == by_stage_.end() ? 0 : b->second.ready;
+  return b == by_stage_.end() ? 0 : b->second.ready.size();
 }
 
 bool Registry::any_idle(uint64_t job) const {

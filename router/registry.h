@@ -120,8 +120,8 @@ class Registry {
   std::vector<Peer*> sample_ready(uint64_t job, int stage, double now, size_t k, Draw&& draw) {
     std::vector<Peer*> out;
     auto b = by_stage_.find({job, stage});
-    if (b == by_stage_.end() || b->second.ready_list.empty()) return out;
-    const std::vector<Peer*>& list = b->second.ready_list;
+    if (b == by_stage_.end() || b->second.ready.empty()) return out;
+    const std::vector<Peer*>& list = b->second.ready;
     k = std::min(k, list.size());
     for (uint64_t i = 0; out.size() < k && i < 4 * k; ++i) {
       Peer* p = list[size_t(draw(i) % list.size())];
@@ -164,8 +164,7 @@ class Registry {
   // while it serves no job. Pointers into peers_ (a std::map: stable until erased).
   struct StageIndex {
     std::map<uint64_t, Peer*> peers;   // by seq
-    size_t ready = 0;                  // of them in PeerState::kReady
-    std::vector<Peer*> ready_list;     // those, in no order (each knows its place: Peer::ready_pos)
+    std::vector<Peer*> ready;          // of them those in PeerState::kReady, in no order (each knows its place: Peer::ready_pos)
     size_t idle = 0;                   // of them in PeerState::kIdle
   };
   std::map<std::pair<uint64_t, int>, StageIndex> by_stage_;
@@ -174,8 +173,8 @@ class Registry {
   std::unordered_multimap<std::string, Peer*> by_listen_;   // hello.listen -> the peers that gave it (not "")
   void unindex(const Peer& p);
   void index(Peer& p);
-  static void list_ready(StageIndex& b, Peer& p);
-  static void unlist_ready(StageIndex& b, const Peer& p);
+  void list_ready(const std::pair<uint64_t, int>& key, StageIndex& b, Peer& p);
+  void unlist_ready(const std::pair<uint64_t, int>& key, StageIndex& b, const Peer& p);
 };
 
 }  // namespace swarm::router
