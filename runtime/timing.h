@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 namespace swarm::timing {
 
@@ -29,6 +30,14 @@ constexpr double kSlowLinkBytesPerS = 12.5e6;
 // state): four times their transfer at kSlowLinkBytesPerS. Never capped by the job's timeouts,
 // which bound compute: a gigabyte on a slow link is slow, not dead.
 inline double transfer_allowance_s(double bytes) { return 4.0 * bytes / kSlowLinkBytesPerS; }
+
+// How long a receiver waits for the tensors a request references before it answers
+// `unreachable`: three quarters of the time to the request's deadline (the last quarter, at least
+// half a second of a 2-s deadline, is for the work and the reply), at least 1 ms. The router then
+// hears of an unreachable holder in time to relay the tensor on the next attempt.
+inline uint32_t fetch_within_ms(double until_deadline_s) {
+  return uint32_t(std::clamp(0.75 * until_deadline_s * 1000.0, 1.0, 3600.0 * 1000.0));
+}
 
 // The exponential moving average of a peer's ms per work unit: weight 0.1 on each new sample
 // (SWARM's choice: a few slow hops do not swing routing), the first sample taken as it is.

@@ -476,20 +476,26 @@ Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
   const msgpack::object& body = oh.get();
   if (body.type != msgpack::type::MAP) fail(WireErrc::kMalformed, "body is not a map");
   // The keys the wire layer owns: tensor descriptions, references, the hold flag.
-  const msgpack::object *descs = nullptr, *refs = nullptr, *hold = nullptr;
+  const msgpack::object *descs = nullptr, *refs = nullptr, *hold = nullptr, *within = nullptr;
   for (uint32_t i = 0; i < body.via.map.size; ++i) {
     const auto& kv = body.via.map.ptr[i];
     if (kv.key.type != msgpack::type::STR) fail(WireErrc::kMalformed, "body key is not a string");
     if (is_str(kv.key, "tensors")) descs = &kv.val;
     else if (is_str(kv.key, "refs")) refs = &kv.val;
     else if (is_str(kv.key, "hold")) hold = &kv.val;
+    else if (is_str(kv.key, "fetch_within_ms")) within = &kv.val;
   }
   if (hold) {
     if (hold->type != msgpack::type::BOOLEAN) fail(WireErrc::kMalformed, "body.hold is not a boolean");
     m.hold = hold->via.boolean;
   }
   if (refs) m.refs = parse_refs(*refs, ntensors, max_tensors(env.type));
-  const uint32_t wire_keys = uint32_t(descs != nullptr) + uint32_t(refs != nullptr) + uint32_t(hold != nullptr);
+  if (within) {
+    if (within->type != msgpack::type::POSITIVE_INTEGER || within->via.u64 == 0 || within->via.u64 > kMaxFetchWithinMs)
+      fail(WireErrc::kMalformed, "body.fetch_within_ms must be an integer in [1, " + std::to_string(kMaxFetchWithinMs) + "]");
+    m.fetch_within_ms = uint32_t(within->via.u64);
+  }
+  const uint32_t wire_keys = uint32_t(descs != nullptr) + uint32_t(refs != nullptr) + uint32_t(hold != nullptr) + uint32_t(within != nullptr);
   if (!descs) {
     if (ntensors != 0) fail(WireErrc::kMalformed, std::to_string(ntensors) + " tensor frame(s) but no descriptions in the body");
     if (wire_keys == 0) {
@@ -523,7 +529,7 @@ Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
     pk.pack_map(body.via.map.size - wire_keys);
     for (uint32_t i = 0; i < body.via.map.size; ++i) {
       const auto& kv = body.via.map.ptr[i];
-      if (&kv.val == descs || &kv.val == refs || &kv.val == hold) continue;
+      if (&kv.val == descs || &kv.val == refs || &kv.val == hold || &kv.val == within) continue;
       pk.pack(kv.key);
       pk.pack(kv.val);
     }
@@ -580,9 +586,10 @@ std::vector<zmq::message_t> encode(Message& m) {
     else frames.emplace_back(m.body.data(), m.body.size());
   } else {
     const auto [count, head] = map_header(m.body);
-    msgpack::sbuffer b(m.body.size() + 96 * (m.tensors.size() + m.refs.size()) + 16);
+    const bool within = !m.refs.empty() && m.fetch_within_ms > 0;
+    msgpack::sbuffer b(m.body.size() + 96 * (m.tensors.size() + m.refs.size()) + 32);
     msgpack::packer<msgpack::sbuffer> pk(b);
-    pk.pack_map(count + uint32_t(!m.tensors.empty()) + uint32_t(!m.refs.empty()) + uint32_t(m.hold));
+    pk.pack_map(count + uint32_t(!m.tensors.empty()) + uint32_t(!m.refs.empty()) + uint32_t(m.hold) + uint32_t(within));
     b.write(m.body.data() + head, m.body.size() - head);
     if (m.hold) {
       pack_str(pk, "hold");
@@ -591,6 +598,10 @@ std::vector<zmq::message_t> encode(Message& m) {
     if (!m.refs.empty()) {
       pack_str(pk, "refs");
       pack_refs(pk, m.refs);
+    }
+    if (within) {
+      pack_str(pk, "fetch_within_ms");
+      pk.pack(m.fetch_within_ms);
     }
     if (!m.tensors.empty()) {
       pack_str(pk, "tensors");

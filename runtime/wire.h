@@ -113,6 +113,7 @@ struct TensorRef {
   TensorDesc desc;     // what the fetched tensor must be, checksum included
 };
 constexpr size_t kMaxAddressBytes = 255;
+constexpr uint64_t kMaxFetchWithinMs = 3600 * 1000;   // Message::fetch_within_ms: at most an hour
 
 struct Tensor {
   TensorDesc desc;
@@ -134,6 +135,9 @@ struct Message {
   std::vector<TensorRef> refs;
   // A request's reply keeps its tensors at the replier and carries references instead.
   bool hold = false;
+  // With refs: a reference not fetched in this long [ms] is answered `unreachable`, before the
+  // sender stops waiting for the reply (0: the receiver's own --fetch-timeout-s).
+  uint32_t fetch_within_ms = 0;
 
   Message() = default;
   Message(MsgType t, uint64_t id_ = 0, uint32_t attempt_ = 0, std::string body_ = {})

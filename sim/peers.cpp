@@ -146,6 +146,8 @@ void World::peer_receives(int i, wire::Message m) {
   Slot& s = slots[slot];
   s.fetched.assign(s.m.tensors.size() + s.m.refs.size(), 0);
   double whole = now, failed_at = 1e300;
+  // As PeerLink waits: --fetch-timeout-s, or less where the request asks.
+  const double window = s.m.fetch_within_ms ? std::min(kFetchTimeoutS, s.m.fetch_within_ms / 1000.0) : kFetchTimeoutS;
   for (const wire::TensorRef* ref : to_fetch(p.book, s.m)) {
     fetches++;
     auto it = by_listen.find(ref->from);
@@ -154,13 +156,13 @@ void World::peer_receives(int i, wire::Message m) {
     std::optional<FetchFailure> why;
     if (!h || !h->alive) {
       why = FetchFailure::kUnreachable;   // nothing answers at that address: the fetch times out
-      done = now + kFetchTimeoutS;
+      done = now + window;
     } else {
       const double asked = transfer(p.host, h->host, kSmallMessage, now);
       const double answers = std::max(asked, h->stall_until);   // a stopped holder answers when it runs again
-      if (answers - now > kFetchTimeoutS) {
+      if (answers - now > window) {
         why = FetchFailure::kUnreachable;
-        done = now + kFetchTimeoutS;
+        done = now + window;
       } else if (!h->book.held.count(ref->key)) {
         why = FetchFailure::kNotHeld;
         done = transfer(h->host, p.host, kSmallMessage, answers);

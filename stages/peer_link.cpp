@@ -4,6 +4,7 @@
 #include "runtime/errors.h"
 #include "runtime/log.h"
 #include "runtime/messages.h"
+#include "runtime/text.h"
 
 namespace swarm {
 
@@ -142,8 +143,9 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
   const uint64_t wid = next_waiting_++;
   Waiting& w = waiting_[wid];
   w.seq = seq;
-  w.deadline = now + fetch_timeout_s_;
   w.msg = std::move(m);
+  w.window_s = w.msg.fetch_within_ms ? std::min(fetch_timeout_s_, w.msg.fetch_within_ms / 1000.0) : fetch_timeout_s_;
+  w.deadline = now + w.window_s;
   w.got.resize(w.msg.refs.size());
   w.fetched.assign(w.msg.tensors.size() + w.msg.refs.size(), 0);
   w.missing = w.msg.refs.size();
@@ -237,7 +239,7 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
         if (!w.got[i]) {
           fail(w, i, WireErrc::kUnreachable,
                "could not fetch tensor " + std::to_string(w.msg.refs[i].slot) + " from " + w.msg.refs[i].from + " within " +
-                   std::to_string(int(fetch_timeout_s_)) + " s");
+                   shortest_number(w.window_s) + " s");
           break;
         }
       // A holder that did not answer: its queued FETCHes go with its socket.

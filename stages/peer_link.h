@@ -91,6 +91,7 @@ class PeerLink {
     std::vector<std::optional<wire::Tensor>> got;   // per reference
     std::vector<int64_t> fetched;                   // per request tensor
     size_t missing = 0;
+    double window_s = 0;    // the wait allowed: --fetch-timeout-s, or less where the request asks
     double deadline = 0;
     std::optional<wire::Message> error;
   };

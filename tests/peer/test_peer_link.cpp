@@ -135,6 +135,36 @@ TEST(PeerLink, AHolderThatNeverAnswersFailsTheRequestAsUnreachableAfterTheTimeou
   EXPECT_NE(e.message.find(nobody), std::string::npos) << e.message;
 }
 
+// The router asks for an answer before its deadline: a request's fetch_within_ms (through the
+// wire and back) cuts a peer's own, longer timeout short, and the error says how long it waited.
+TEST(PeerLink, ARequestThatAsksForAnAnswerSoonerIsFailedWithinItsWindow) {
+  zmq::context_t ctx{1};
+  Holdings held{1 << 20, 600, 60}, mine{1 << 20, 600, 60};
+  PeerLink holder{ctx, "tcp://127.0.0.1:*", "", held, 30.0}, link{ctx, "", "", mine, 30.0};
+  zmq::socket_t probe(ctx, zmq::socket_type::router);
+  probe.bind("tcp://127.0.0.1:*");
+  const std::string nobody = probe.get(zmq::sockopt::last_endpoint);
+  probe.close();
+  const wire::TensorDesc d = floats(10, 0).desc;
+  wire::Message m = request_with_refs(nobody, d, d);
+  m.fetch_within_ms = 300;
+  auto frames = wire::encode(m);
+  wire::Message sent = wire::decode(frames);
+  ASSERT_EQ(sent.fetch_within_ms, 300u);
+  const auto t0 = Clock::now();
+  link.resolve(std::move(sent), 1, 0);
+  auto out = pump(holder, link, 5);
+  const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+  ASSERT_EQ(out.size(), 1u);
+  const msg::Error e = error_of(out[0]);
+  EXPECT_EQ(e.code, int(WireErrc::kUnreachable));
+  EXPECT_NE(e.message.find("within 0.3 s"), std::string::npos) << e.message;
+  EXPECT_LT(waited, 5.0) << "waited for the peer's own 30-s timeout";
+  // Without it, the peer's own timeout holds: nothing is failed in the same time.
+  link.resolve(request_with_refs(nobody, d, d), 2, 0);
+  EXPECT_TRUE(pump(holder, link, 1).empty());
+}
+
 TEST(PeerLink, ATensorThatIsNotTheOneReferencedIsABadTensorOfItsMaker) {
   Pair p;
   wire::Tensor a = floats(100, 1), b = floats(100, 2);

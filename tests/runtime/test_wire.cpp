@@ -219,6 +219,24 @@ TEST(Wire, RejectsBadTensorDescriptions) {
             WireErrc::kBadTensor);
 }
 
+// fetch_within_ms belongs to the wire layer: removed from the body, a positive count of ms.
+TEST(Wire, AFetchWindowIsAPositiveNumberOfMilliseconds) {
+  auto with = [](json within) {
+    std::vector<zmq::message_t> frames;
+    frames.emplace_back(packed(json::array({"SWRM", wire::kVersion, int(MsgType::kForward), 1, 0})));
+    frames.emplace_back(packed(json{{"job_id", 1}, {"fetch_within_ms", within}}));
+    return frames;
+  };
+  auto ok = with(1500);
+  const Message m = decode(ok);
+  EXPECT_EQ(m.fetch_within_ms, 1500u);
+  EXPECT_FALSE(body_json(m).contains("fetch_within_ms"));
+  for (const json& bad : {json(0), json(-5), json(1.5), json("1s"), json(wire::kMaxFetchWithinMs + 1)}) {
+    auto frames = with(bad);
+    EXPECT_EQ(code_of(frames), WireErrc::kMalformed) << bad.dump();
+  }
+}
+
 TEST(Wire, RejectsDeepNesting) {
   // 100 nested one-element arrays: bounded by the depth limit, no stack exhaustion.
   std::string body(100, char(0x91));
