@@ -288,8 +288,10 @@ ByzantineRun run_byzantine(const std::string& dir, const std::string& data, bool
   // each stage, and a learning rate at which the tiny model trains smoothly. Two honest runs then
   // end on the same validation loss to the last bit; with `swarm` routing they differed by up to
   // 20% (which peer served which microbatch follows timing). 600 steps, to where the loss has
-  // settled: the few steps a liar serves before it is caught perturb the run, and at 240 steps
-  // such a perturbation alone moved the final loss by up to 2%; at 600 by about 1%.
+  // settled: the few steps a liar serves before it is caught perturb the run (its pipeline's
+  // microbatches are trained by it alone, and its outer gradient is left out), and at 240 steps
+  // such a perturbation alone moved the final loss by up to 2.3%; at 600, over nine runs, by
+  // -1.2% to +2.6%.
   json spec = tiny_job(data, 2, 600, "sync");
   spec["routing"] = {{"mode", "static"}, {"start_peers", 2}};
   spec["optimizer"] = {{"lr", 0.003}, {"min_lr", 0.0003}, {"warmup_steps", 10}};
@@ -305,7 +307,9 @@ ByzantineRun run_byzantine(const std::string& dir, const std::string& data, bool
 
 // The same job twice, without and with a liar next to the two honest peers of each stage: the job
 // finishes, the liars are quarantined, no honest peer is, their outer gradients are left out of
-// the rounds, and the model is as good as without them (validation loss within 2%).
+// the rounds, and the model is as good as without them: validation loss within 5%, past the
+// spread that being caught costs (-1.2% to +2.6%, above) and far inside what a liar averaged in
+// did (0.80 against 0.49, +63%, docs/security.md).
 TEST(Security, ALyingPeerIsCaughtAndTheJobTrainsAsWellAsWithoutIt) {
   const std::string dir = temp_dir();
   const std::string data = write_text(dir);
@@ -335,5 +339,5 @@ TEST(Security, ALyingPeerIsCaughtAndTheJobTrainsAsWellAsWithoutIt) {
             << ", hash mismatches " << lied.status["hash_mismatches"] << ", quarantined " << lied.status["quarantined"].dump()
             << ", outliers " << outliers.dump() << std::endl;
   EXPECT_LT(v, 0.8 * lied.status["unigram_loss"].get<double>());
-  EXPECT_NEAR(v, v0, 0.02 * v0) << "val loss " << v << " with liars against " << v0 << " without";
+  EXPECT_NEAR(v, v0, 0.05 * v0) << "val loss " << v << " with liars against " << v0 << " without";
 }
