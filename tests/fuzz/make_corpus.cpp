@@ -167,8 +167,8 @@ void wire_seeds() {
   wire_seed("seed-peers-reply", wire::json_message(MsgType::kPeersReply, 5, 0,
       json{{"peers", json::array({json{{"id", wire::id_json("p-0123456789ab")}, {"name", "stage1-0"}, {"stage", 1}, {"device", "cpu"},
                                       {"ms_per_unit", 3.25}, {"results", 40}, {"failures", 0}, {"banned_s", 0.0}}})}}));
-  // Peer to peer: a hop whose tensors are held elsewhere, asked to hold its own; a reply that
-  // holds; FETCH, FETCHED, RELEASE.
+  // Peer to peer: a hop whose tensors are held elsewhere, to be fetched within 1.5 s, asked to
+  // hold its own; a reply that holds; FETCH, FETCHED, RELEASE.
   {
     auto ref = [](uint32_t slot, const std::string& from, uint64_t key, const wire::Tensor& t) {
       wire::TensorRef r;
@@ -181,6 +181,7 @@ void wire_seeds() {
     Message bw = with(wire::json_message(MsgType::kBackward, 40, 0, hop), ints<int32_t>(DType::kI32, {2, 8}, 256));
     bw.refs.push_back(ref(1, "tcp://10.0.0.7:6000", 38, f32("int8:block=64", {2, 8, 16})));
     bw.hold = true;
+    bw.fetch_within_ms = 1500;
     wire_seed("seed-backward-refs-hold", std::move(bw));
     Message fw = msg::make(MsgType::kForward, msg::Hop{}, 41);
     fw.refs.push_back(ref(0, "tcp://[::1]:6001", 40, f32("fp32:entropy=zstd", {2, 8, 16})));
