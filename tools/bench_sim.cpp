@@ -2,9 +2,10 @@
 // swarm, and at scale.
 //
 // sim_vs_real: the bundled example on 4 stages x 2 peers, run for real (`swarm local`'s
-//   processes, tools/local_swarm.h); each peer's own compute speed read from its heartbeat
-//   (ms per work unit) becomes a measured profile; the simulator runs the same job on those
-//   profiles; its tokens/s / the real one.
+//   processes, tools/local_swarm.h); each peer's speed, the slower of its own compute figure
+//   (its heartbeat's ms per work unit) and the router's turnaround per unit for it, becomes a
+//   measured profile; the simulator runs the same job on those profiles; its tokens/s / the
+//   real one.
 // sim_vs_real_hetero: the same with the hetero bench's emulated mix (2 a100-like peers,
 //   --emulate 2, and 6 t4-like, --emulate 8), pinned to the best assignment of that mix
 //   (one a100-like on each of stages 0 and 1, three t4-like on each of stages 2 and 3).
@@ -50,11 +51,16 @@ json example_job(int steps) {
   return j;
 }
 
-// The real swarm: tokens/s of its training (the router's figure) and each peer's stage and own
-// ms per work unit (from its heartbeat).
+// The real swarm: tokens/s of its training (the router's figure) and, for each peer, its stage,
+// its own ms per work unit (from its heartbeat: compute only) and the router's turnaround per
+// unit (request to reply: compute, decoding and encoding, fetches, and the wait for a core).
 struct RealRun {
+  struct Peer {
+    int stage = -1;
+    double compute_ms = 0, turnaround_ms = 0;
+  };
   double tokens_per_s = 0;
-  std::vector<std::pair<int, double>> peers;   // (stage, ms per unit)
+  std::vector<Peer> peers;
   uint64_t lost = 0;
 };
 
@@ -83,11 +89,12 @@ RealRun real_run(const json& job, const std::vector<RealPeer>& peers) {
     if (state == "done" || state == "failed" || state == "cancelled") break;
     if (state == "running") {
       const json peers = c.request_body(wire::MsgType::kPeers, json{{"offset", 0}, {"limit", 100}})["peers"];
-      std::vector<std::pair<int, double>> now;
+      std::vector<RealRun::Peer> now;
       for (const json& p : peers) {
         // Its own figure (compute only); else what the router measured (transfers included).
         const double ms = p["heartbeat"].value("ms_per_unit", 0.0) > 0 ? p["heartbeat"]["ms_per_unit"].get<double>() : p.value("ms_per_unit", 0.0);
-        if (ms > 0 && p["stage"].get<int>() >= 0) now.emplace_back(p["stage"].get<int>(), ms);
+        const double turnaround = p.value("turnaround_ms", 0.0);
+        if (ms > 0 && p["stage"].get<int>() >= 0) now.push_back({p["stage"].get<int>(), ms, turnaround > 0 ? turnaround : ms});
       }
       if (now.size() == peers.size()) r.peers = now;
     }
@@ -100,15 +107,20 @@ RealRun real_run(const json& job, const std::vector<RealPeer>& peers) {
   return r;
 }
 
-// The same swarm simulated: one measured profile per real peer, pinned to its stage.
-json simulated(const json& job, const RealRun& real, uint64_t* lost) {
+// The same swarm simulated: one measured profile per real peer, pinned to its stage. A unit of
+// its work costs the slower of its compute figure and its turnaround, as the router's deadlines
+// count it (Peer::deadline_ms_per_unit): the simulator's peers pay nothing for decoding, encoding
+// and checksums and never wait for a core, and here eight peers and the router share two.
+// `compute_only`: at the compute figure alone (the calibration before turnarounds), for comparison.
+json simulated(const json& job, const RealRun& real, bool compute_only, uint64_t* lost) {
   json sc = json::parse(R"({"name": "sim_vs_real", "seed": 1, "duration_s": 3600, "sample_s": 5})");
   sc["job"] = job;
   sc["router"] = {{"link", {{"gbps", 40}, {"latency_ms", 0.05}}}};
   sc["profiles"] = json::object();
   sc["peers"] = json::array();
   for (size_t i = 0; i < real.peers.size(); ++i) {
-    const auto [stage, ms] = real.peers[i];
+    const int stage = real.peers[i].stage;
+    const double ms = compute_only ? real.peers[i].compute_ms : std::max(real.peers[i].compute_ms, real.peers[i].turnaround_ms);
     const std::string name = "measured" + std::to_string(i);
     sc["profiles"][name] = {{"base", "cpu"}, {"ms_per_unit", ms > 0 ? ms : 1.0}, {"on_stage", stage}};
     sc["peers"].push_back({{"name", "peer" + std::to_string(i)}, {"profile", name}, {"stage", stage}, {"link", {{"gbps", 40}, {"latency_ms", 0.05}}}});
@@ -167,13 +179,17 @@ int run_sim_bench(bool as_json) {
   for (const auto& [name, peers] : {std::pair<const char*, const std::vector<RealPeer>&>{"sim_vs_real", even}, {"sim_vs_real_hetero", mix}}) {
     Calibration k{name, real_run(job, peers)};
     lost = std::max(lost, k.real.lost);
-    k.sim_tps = simulated(job, k.real, &lost)["job"].value("tokens_per_s", 0.0);
+    k.sim_tps = simulated(job, k.real, false, &lost)["job"].value("tokens_per_s", 0.0);
     k.ratio = k.real.tokens_per_s > 0 ? k.sim_tps / k.real.tokens_per_s : 0.0;
+    // The calibration before turnarounds counted, for comparison: each peer at its compute figure.
+    const double compute_only = simulated(job, k.real, true, &lost)["job"].value("tokens_per_s", 0.0);
     json measured = json::array();
-    for (const auto& [stage, ms] : k.real.peers) measured.push_back({{"stage", stage}, {"ms_per_unit", ms}});
-    say(as_json, {{"bench", "sim"}, {"case", name}, {"real_tokens_per_s", k.real.tokens_per_s}, {"sim_tokens_per_s", k.sim_tps}, {"peers", measured}},
+    for (const RealRun::Peer& p : k.real.peers)
+      measured.push_back({{"stage", p.stage}, {"ms_per_unit", p.compute_ms}, {"turnaround_ms", p.turnaround_ms}});
+    say(as_json, {{"bench", "sim"}, {"case", name}, {"real_tokens_per_s", k.real.tokens_per_s}, {"sim_tokens_per_s", k.sim_tps},
+                  {"sim_tokens_per_s_compute_only", compute_only}, {"peers", measured}},
         std::string(name) + ": real " + std::to_string(k.real.tokens_per_s) + " tokens/s, simulated " + std::to_string(k.sim_tps) + " (" +
-            std::to_string(k.ratio) + ")");
+            std::to_string(k.ratio) + "; at compute speeds alone " + std::to_string(compute_only) + ")");
     cal.push_back(std::move(k));
   }
 
