@@ -265,11 +265,15 @@ struct Worker::Impl {
   }
 
   // One forward and backward at the job's microbatch shape: the peer's first throughput figure.
+  // Timed on a second pass: the first, cold (allocations, first-touch pages, lazy kernel set-up),
+  // read 89-91 ms per unit on the CPU where warm passes read 9-15 (`swarm bench sim`'s peers).
   double measure() {
     const int B = spec_.batch.microbatch_size, T = spec_.model.seq_len;
     torch::Tensor in = model_->is_first()
                            ? torch::zeros({B, T}, torch::kInt64).to(model_->device())
                            : torch::zeros({B, T, spec_.model.d_model}).to(model_->device()).requires_grad_(true);
+    model_->forward(in).sum().backward();
+    optim_->zero_grad();
     const auto t0 = Clock::now();
     torch::Tensor out = model_->forward(in);
     const double fwd = ms_since(t0);
