@@ -191,7 +191,11 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   for (const Peer* p : peers) {
     Candidate cd;
     cd.queued_units = p->queued_units;
-    cd.ms_per_unit = p->speed_ms();
+    // The router's own measurement only: a peer it has not timed yet enters at the fastest
+    // measured speed (choose_peer), whatever its heartbeat says, so that a pessimistic first
+    // figure (a cold start, a load timed while its host was busy) cannot keep it from ever
+    // being tried, and measured.
+    cd.ms_per_unit = p->ms_per_unit;
     cd.affinity = f.kind == HopKind::kBackward && f.fwd_peer[size_t(f.stage)] == p->id;
     // A peer that failed this hop is tried again only once every live peer has failed it.
     cd.excluded = c.peers.banned(*p, c.now) || (f.tried.count(p->id) && tried_live < peers.size());
