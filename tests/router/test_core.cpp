@@ -129,6 +129,22 @@ TEST(Core, InAStageOfManyPeersHopsGoToASampleAndBackwardsFindTheirForwardsPeer) 
   EXPECT_EQ(first, second);
 }
 
+// A peer whose own figure says it is slow (its load was timed cold, or while its host was busy)
+// is still tried once the router has a measured peer on the stage, and then timed as it is.
+TEST(Core, APeerThatClaimsToBeSlowIsTriedAndMeasuredAnyway) {
+  FakeSwarm f;
+  const std::vector<PeerId> ids = two_by_two(f);
+  // Every peer really takes 1 ms per unit; a0 says so, a1 claims 1000.
+  f.peers.at(ids[0]).claims_ms_per_unit = 1;
+  f.peers.at(ids[1]).claims_ms_per_unit = 1000;
+  f.run(1);                                        // the router has heard the claims
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 4));
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  EXPECT_GT(received(f, ids[1], MsgType::kForward), 0u) << "a1 was never sent a forward";
+  for (const json& p : f.core.peers_json(0, 100, f.now)["peers"])
+    if (p["name"] == "a1") EXPECT_LT(p["ms_per_unit"].get<double>(), 100.0) << p.dump();
+}
+
 TEST(Core, APeerDyingMidForwardHasItsHopResentElsewhere) {
   FakeSwarm f;
   two_by_two(f);

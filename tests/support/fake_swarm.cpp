@@ -217,6 +217,7 @@ bool FakeSwarm::run(double seconds, const std::function<bool()>& until) {
         msg::Heartbeat hb;
         hb.stage = p.book.stage;
         hb.job_id = p.book.job;
+        hb.ms_per_unit = p.claims_ms_per_unit;
         deliver(id, msg::make(hb));
       }
     }

@@ -25,6 +25,7 @@ struct FakePeer {
   bool silent = false;    // alive (heartbeats) but answers nothing
   std::optional<wire::MsgType> silent_from;  // goes silent when it first receives this type
   bool auto_answer = true;
+  double claims_ms_per_unit = 0;   // the speed its heartbeats report (0: none yet)
   // What it loaded and holds, and how it lies (wrong shapes, false bad-input reports, a wrong
   // parameter count, its state hash): the simulator's stage server, sim/stage_replies.h.
   sim::StageBook book;
