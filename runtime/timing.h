@@ -35,8 +35,15 @@ inline double transfer_allowance_s(double bytes) { return 4.0 * bytes / kSlowLin
 // `unreachable`: three quarters of the time to the request's deadline (the last quarter, at least
 // half a second of a 2-s deadline, is for the work and the reply), at least 1 ms. The router then
 // hears of an unreachable holder in time to relay the tensor on the next attempt.
+constexpr uint32_t kMaxFetchWithinMs = 3600 * 1000;   // at most an hour
 inline uint32_t fetch_within_ms(double until_deadline_s) {
-  return uint32_t(std::clamp(0.75 * until_deadline_s * 1000.0, 1.0, 3600.0 * 1000.0));
+  return uint32_t(std::clamp(0.75 * until_deadline_s * 1000.0, 1.0, double(kMaxFetchWithinMs)));
+}
+
+// How long a receiver waits for a request's references: its own timeout, or less where the
+// request asks (fetch_within_ms; 0: not asked).
+inline double fetch_window_s(double own_timeout_s, uint32_t within_ms) {
+  return within_ms ? std::min(own_timeout_s, within_ms / 1000.0) : own_timeout_s;
 }
 
 // The exponential moving average of a peer's ms per work unit: weight 0.1 on each new sample

@@ -14,6 +14,7 @@
 
 #include "runtime/body.h"
 #include "runtime/limits.h"
+#include "runtime/timing.h"
 
 namespace swarm::wire {
 
@@ -491,8 +492,8 @@ Message decode(std::vector<zmq::message_t>& frames, bool verify_checksums) {
   }
   if (refs) m.refs = parse_refs(*refs, ntensors, max_tensors(env.type));
   if (within) {
-    if (within->type != msgpack::type::POSITIVE_INTEGER || within->via.u64 == 0 || within->via.u64 > kMaxFetchWithinMs)
-      fail(WireErrc::kMalformed, "body.fetch_within_ms must be an integer in [1, " + std::to_string(kMaxFetchWithinMs) + "]");
+    if (within->type != msgpack::type::POSITIVE_INTEGER || within->via.u64 == 0 || within->via.u64 > timing::kMaxFetchWithinMs)
+      fail(WireErrc::kMalformed, "body.fetch_within_ms must be an integer in [1, " + std::to_string(timing::kMaxFetchWithinMs) + "]");
     m.fetch_within_ms = uint32_t(within->via.u64);
   }
   const uint32_t wire_keys = uint32_t(descs != nullptr) + uint32_t(refs != nullptr) + uint32_t(hold != nullptr) + uint32_t(within != nullptr);

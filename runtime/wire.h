@@ -113,7 +113,6 @@ struct TensorRef {
   TensorDesc desc;     // what the fetched tensor must be, checksum included
 };
 constexpr size_t kMaxAddressBytes = 255;
-constexpr uint64_t kMaxFetchWithinMs = 3600 * 1000;   // Message::fetch_within_ms: at most an hour
 
 struct Tensor {
   TensorDesc desc;

@@ -147,7 +147,7 @@ void World::peer_receives(int i, wire::Message m) {
   s.fetched.assign(s.m.tensors.size() + s.m.refs.size(), 0);
   double whole = now, failed_at = 1e300;
   // As PeerLink waits: --fetch-timeout-s, or less where the request asks.
-  const double window = s.m.fetch_within_ms ? std::min(kFetchTimeoutS, s.m.fetch_within_ms / 1000.0) : kFetchTimeoutS;
+  const double window = timing::fetch_window_s(kFetchTimeoutS, s.m.fetch_within_ms);
   for (const wire::TensorRef* ref : to_fetch(p.book, s.m)) {
     fetches++;
     auto it = by_listen.find(ref->from);

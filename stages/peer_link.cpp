@@ -5,6 +5,7 @@
 #include "runtime/log.h"
 #include "runtime/messages.h"
 #include "runtime/text.h"
+#include "runtime/timing.h"
 
 namespace swarm {
 
@@ -144,7 +145,7 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
   Waiting& w = waiting_[wid];
   w.seq = seq;
   w.msg = std::move(m);
-  w.window_s = w.msg.fetch_within_ms ? std::min(fetch_timeout_s_, w.msg.fetch_within_ms / 1000.0) : fetch_timeout_s_;
+  w.window_s = timing::fetch_window_s(fetch_timeout_s_, w.msg.fetch_within_ms);
   w.deadline = now + w.window_s;
   w.got.resize(w.msg.refs.size());
   w.fetched.assign(w.msg.tensors.size() + w.msg.refs.size(), 0);

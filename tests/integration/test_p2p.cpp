@@ -100,6 +100,8 @@ TEST(P2p, APeerOthersCannotReachIsRelayedThroughTheRouter) {
   for (const auto& p : peers) {
     EXPECT_EQ(p["relayed"].get<bool>(), p["name"] == "s1") << p.dump();
     // The only peers of their stages served every hop there, and the router timed them.
-    if (p["name"] == "s0" || p["name"] == "s1") EXPECT_GT(p["turnaround_ms"].get<double>(), 0.0) << p.dump();
+    if (p["name"] == "s0" || p["name"] == "s1") {
+      EXPECT_GT(p["turnaround_ms"].get<double>(), 0.0) << p.dump();
+    }
   }
 }

@@ -142,7 +142,9 @@ TEST(Core, APeerThatClaimsToBeSlowIsTriedAndMeasuredAnyway) {
   ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
   EXPECT_GT(received(f, ids[1], MsgType::kForward), 0u) << "a1 was never sent a forward";
   for (const json& p : f.core.peers_json(0, 100, f.now)["peers"])
-    if (p["name"] == "a1") EXPECT_LT(p["ms_per_unit"].get<double>(), 100.0) << p.dump();
+    if (p["name"] == "a1") {
+      EXPECT_LT(p["ms_per_unit"].get<double>(), 100.0) << p.dump();
+    }
 }
 
 TEST(Core, APeerDyingMidForwardHasItsHopResentElsewhere) {

@@ -9,6 +9,7 @@
 #include "compression/codec.h"
 #include "runtime/limits.h"
 #include "runtime/messages.h"
+#include "runtime/timing.h"
 #include "runtime/wire.h"
 
 using namespace swarm;
@@ -231,7 +232,7 @@ TEST(Wire, AFetchWindowIsAPositiveNumberOfMilliseconds) {
   const Message m = decode(ok);
   EXPECT_EQ(m.fetch_within_ms, 1500u);
   EXPECT_FALSE(body_json(m).contains("fetch_within_ms"));
-  for (const json& bad : {json(0), json(-5), json(1.5), json("1s"), json(wire::kMaxFetchWithinMs + 1)}) {
+  for (const json& bad : {json(0), json(-5), json(1.5), json("1s"), json(timing::kMaxFetchWithinMs + 1)}) {
     auto frames = with(bad);
     EXPECT_EQ(code_of(frames), WireErrc::kMalformed) << bad.dump();
   }
