@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
                  "the address other peers dial, tcp://HOST:PORT, when it differs from --listen's (NAT, a wildcard bind)");
   bool no_listen = false;
   app.add_flag("--no-listen", no_listen, "take no connections from other peers (relayed through the router); the default");
-  app.add_option("--fetch-timeout-s", opt.fetch_timeout_s, "a tensor not fetched from its holder in this long fails its hop")
+  app.add_option("--fetch-timeout-s", opt.fetch_timeout_s, "a tensor not fetched from its holder in this long fails its hop (sooner where the router asks: fetch_within_ms)")
       ->capture_default_str()
       ->check(CLI::Range(0.1, 3600.0));
   size_t hold_mb = opt.hold_bytes >> 20;
