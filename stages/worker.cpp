@@ -620,7 +620,10 @@ struct Worker::Impl {
     for (const auto& [name, p] : model_->named_parameters()) {
       const int64_t n = p.numel();
       torch::Tensor src = torch::from_blob(const_cast<float*>(flat.data() + off), p.sizes(), torch::kFloat32);
-      p.detach().copy_(src.to(p.device()));
+      // .data(): its own version counter. Under async a round or a state load may land while
+      // graphs the affinity cache keeps still hold this parameter; it ran on a weight version,
+      // and its backward must not see the load as an in-place change (detach() would bump it).
+      p.data().copy_(src.to(p.device()));
       off += size_t(n);
     }
     SWARM_CHECK(off == flat.size(), "flat parameter vector size");
