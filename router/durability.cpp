@@ -38,9 +38,11 @@ bool Durability::snapshot_due(int steps_done, uint64_t rounds, bool dense) const
   return rounds > snapshot_rounds;  // after every round: theta_g has just moved
 }
 
-void Durability::begin(Ctx& c, int step, bool checkpoint) {
+void Durability::begin(Ctx& c, int step, bool checkpoint, bool at_barrier) {
+  SWARM_CHECK(at_barrier || !checkpoint, "a checkpoint is taken at a barrier");
   collecting_ = true;
   checkpoint_ = checkpoint;
+  at_barrier_ = at_barrier;
   step_ = step;
   waiting_.clear();
   deadline_s_ = c.now + spec_.diloco.deadline_s;
@@ -83,6 +85,7 @@ void Durability::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) 
   }
   Snapshot& snap = snapshots_[size_t(pd.stage)];
   snap.valid = true;
+  snap.at_barrier = at_barrier_;
   snap.step = step_;
   snap.state = std::move(st);
 }

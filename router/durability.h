@@ -4,8 +4,8 @@
 //
 // Defines swarm::router::Durability. A snapshot is one ready peer's full state per stage
 // (theta_g, momentum, its weights and AdamW moments), asked for with STATE_REQUEST {full} at a
-// barrier after every round (or every checkpoint.snapshot_every_steps steps) and whenever a
-// checkpoint is due; a stage whose peers all die restarts from it. A checkpoint is every
+// barrier after every round (or every checkpoint.snapshot_every_steps steps; under async, right
+// after a round that ran alongside training, without a barrier) and whenever a checkpoint is due; a stage whose peers all die restarts from it. A checkpoint is every
 // stage's snapshot of one step, written by the server (WriteCheckpoint) off the router's
 // thread; the job does not end before its last checkpoint is on disk. The state dir holds
 // <state dir>/jobs/<id>/job.json (the spec and the job's state, so a restarted router picks
@@ -31,6 +31,7 @@ class Durability {
 
   struct Snapshot {
     bool valid = false;
+    bool at_barrier = true;   // taken with nothing in flight: the stage's state as of `step` exactly
     int step = 0;
     StageState state;
   };
@@ -43,8 +44,10 @@ class Durability {
   bool snapshot_due(int steps_done, uint64_t rounds, bool dense) const;
 
   // Asks one ready peer of every stage for its full state as of `step` (nothing is in flight at
-  // a barrier). `checkpoint`: write the snapshots as a checkpoint once collected.
-  void begin(Ctx& c, int step, bool checkpoint);
+  // a barrier). `checkpoint`: write the snapshots as a checkpoint once collected. `at_barrier`
+  // false: a snapshot after a round that ran alongside training (θ_g and the momentum as of the
+  // round's step, the peer's own weights a little later); never a checkpoint.
+  void begin(Ctx& c, int step, bool checkpoint, bool at_barrier = true);
   bool collecting() const { return collecting_; }
   void on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m);
   void on_failed(const Pending& pd) { waiting_.erase(pd.peer); }
@@ -73,7 +76,7 @@ class Durability {
   const JobSpec& spec_;
   std::vector<int64_t> params_;
   std::vector<Snapshot> snapshots_;
-  bool collecting_ = false, checkpoint_ = false;
+  bool collecting_ = false, checkpoint_ = false, at_barrier_ = true;
   int step_ = 0;
   std::set<PeerId> waiting_;
   double deadline_s_ = 0;

@@ -77,14 +77,14 @@ void TrainingJob::on_loaded(Ctx& c, Peer& p, wire::Message& m) {
   start_sync(c, p);
 }
 
-// A loaded peer gets the stage's state before it serves: the snapshot when it is current (a
-// resumed job), else a live donor's (`donor` when the caller chose one), else the snapshot
+// A loaded peer gets the stage's state before it serves: the snapshot when it is current (taken
+// at a barrier at this step: a resumed job), else a live donor's (`donor` when the caller chose one), else the snapshot
 // however old (the whole stage had died: the status counts the steps it lost), else (nothing
 // learned yet) its initial weights, the same on every peer.
 void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
   c.peers.set_state(p, PeerState::kSyncing);
   const auto& snap = dur_.snapshot(p.stage);
-  if (snap.valid && snap.step == steps_done_) return restore_from_snapshot(c, p);
+  if (snap.valid && snap.at_barrier && snap.step == steps_done_) return restore_from_snapshot(c, p);
   Peer* donor = nullptr;
   if (Peer* d = c.peers.find(donor_id); d && d->state == PeerState::kReady && d->job_id == id_ && d->stage == p.stage) donor = d;
   for (Peer* d : c.peers.stage_peers(id_, p.stage, c.now))

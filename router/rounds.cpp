@@ -64,11 +64,12 @@ int64_t SampleCounts::since_sync(const PeerId& peer, int fragment) const {
   return it == counts_.end() || size_t(fragment) >= it->second.size() ? 0 : it->second[size_t(fragment)];
 }
 
-void SampleCounts::synced(const PeerId& peer, int fragment) {
+void SampleCounts::synced(const PeerId& peer, int fragment, int64_t sent) {
   auto it = counts_.find(peer);
   if (it == counts_.end()) return;
-  if (fragment < 0) std::fill(it->second.begin(), it->second.end(), 0);
-  else if (size_t(fragment) < it->second.size()) it->second[size_t(fragment)] = 0;
+  auto sync = [&](int64_t& n) { n = sent < 0 ? 0 : std::max<int64_t>(0, n - sent); };
+  if (fragment < 0) std::for_each(it->second.begin(), it->second.end(), sync);
+  else if (size_t(fragment) < it->second.size()) sync(it->second[size_t(fragment)]);
 }
 
 void SampleCounts::forget(const PeerId& peer) { counts_.erase(peer); }
@@ -405,7 +406,12 @@ void Rounds::apply(Ctx& c, int s) {
     pd.deadline_s = c.now + c.deadline_for(*p, spec_.timeouts.backward_s);
     c.request(pd, std::move(m));
     st.waiting.insert(p->id);
-    samples_.synced(p->id, what_ == msg::RoundWhat::kGrad ? -1 : fragment_);
+    if (what_ == msg::RoundWhat::kGrad) {
+      samples_.synced(p->id, -1);
+    } else {
+      const auto sent = st.weights.find(p->id);
+      samples_.synced(p->id, fragment_, sent == st.weights.end() ? -1 : int64_t(sent->second));
+    }
   }
 }
 

@@ -67,7 +67,10 @@ class SampleCounts {
  public:
   void trained(const PeerId& peer, int fragments, int64_t samples);
   int64_t since_sync(const PeerId& peer, int fragment) const;
-  void synced(const PeerId& peer, int fragment);   // its fragment took the round's outer step
+  // Its fragment (-1: all) took the round's outer step. `sent`: the samples its outer gradient
+  // was weighed by; what it trained on since it sent it (a round alongside training) stays
+  // counted, as the peer keeps that progress. -1: it sent none, and keeps nothing.
+  void synced(const PeerId& peer, int fragment, int64_t sent = -1);
   void forget(const PeerId& peer);                 // it loaded another stage or a donor's state
  private:
   std::map<PeerId, std::vector<int64_t>> counts_;

@@ -294,12 +294,56 @@ uint64_t TrainingJob::next_barrier_mb() const {
   // schedule: the group sums the gradients of exactly that step.
   if (spec_.schedule == Schedule::kSync || dense_step(spec_, steps_done_ + 1)) return std::min(total_mbs_, (uint64_t(steps_done_) + 1) * M);
   auto multiple = [](int s, int every) { return every > 0 && s % every == 0; };
+  // A DiLoCo round flushes only under sync; otherwise it runs alongside training (roll_round).
+  const bool round_barriers = !rolling_rounds();
   for (int s = steps_done_ + 1; s < spec_.steps; ++s) {
-    if (delta_round_due(spec_, s, rounds_.last_step(), false) >= 0 || (rounds_.open() && s >= rounds_.apply_step()) ||
+    if ((round_barriers && (delta_round_due(spec_, s, rounds_.last_step(), false) >= 0 || (rounds_.open() && s >= rounds_.apply_step()))) ||
         multiple(s, spec_.eval.every_steps) || multiple(s, spec_.checkpoint.every_steps) ||
         multiple(s, spec_.checkpoint.snapshot_every_steps))
       return std::min(total_mbs_, uint64_t(s) * M);
   }
+  return total_mbs_;
+}
+
+int TrainingJob::steps_complete() const {
+  uint64_t first = taken_;
+  if (!flights_.empty()) first = std::min(first, flights_.all().begin()->first);
+  return int(first / uint64_t(M_));
+}
+
+// Under async and async_local a DiLoCo round does not drain the pipeline: it opens once every
+// microbatch of its step has completed, while later ones go on; each peer sends its outer
+// gradient when the ROUND_BEGIN reaches it, between two hops, and applies the group's mean when
+// the ROUND_APPLY does, keeping what it learned in between (as an overlapped round does). A
+// microbatch whose forward ran before the apply takes its backward on the weights of its forward
+// (weight versions), and its gradient lands on the new ones: one more stale gradient, which
+// these schedules take at every step anyway. Rounds at a barrier (an evaluation, a checkpoint, the
+// end) are applied there, as before.
+void TrainingJob::roll_round(Ctx& c) {
+  if (rounds_.open()) return;
+  const int done = std::min(steps_complete(), spec_.steps - 1);   // the end's round is the end barrier's
+  for (int t = std::max(rolled_to_, rounds_.last_step()) + 1; t <= done; ++t) {
+    rolled_to_ = t;
+    const int f = delta_round_due(spec_, t, rounds_.last_step(), false);
+    if (f < 0) continue;
+    RoundPlan plan;
+    plan.action = RoundPlan::kOpen;
+    plan.what = msg::RoundWhat::kDelta;
+    plan.fragment = f;
+    plan.overlapped = true;
+    rounds_.begin(c, plan, t);
+    history({{"step", t}, {"round", rounds_.count()}, {"fragment", f}});
+    return;
+  }
+}
+
+// A round alongside training may run late (slow links, a late peer), but training never gets
+// a whole round ahead of it: while one is open, no microbatch past the next round's step is taken.
+uint64_t TrainingJob::round_limit_mb() const {
+  if (!rolling_rounds() || !rounds_.open()) return total_mbs_;
+  const int last = rounds_.last_step();
+  for (int t = last + 1; t < spec_.steps; ++t)
+    if (delta_round_due(spec_, t, last, false) >= 0) return std::min(total_mbs_, uint64_t(t) * uint64_t(M_));
   return total_mbs_;
 }
 
@@ -343,15 +387,21 @@ void TrainingJob::advance(Ctx& c) {
   reason_ = empty.empty() ? "" : "paused: stage(s) " + empty + " have no live peer; start a stage server for them";
   // An open round moves on in any phase (an overlapped one alongside training); it is applied
   // only in kRound, at its barrier.
-  if (rounds_.open() && phase_ != Phase::kRound) rounds_.advance(c, false);
+  if (rounds_.open() && phase_ != Phase::kRound && rounds_.advance(c, rolling_rounds() && steps_complete() >= rounds_.apply_step()) &&
+      phase_ == Phase::kTrain && !dur_.collecting() && dur_.snapshot_due(rounds_.last_step(), rounds_.count(), false))
+    dur_.begin(c, rounds_.last_step(), false, /*at_barrier=*/false);   // θ_g has just moved: a snapshot, training going on
+  // A snapshot after a round alongside training is collected while training goes on.
+  if (phase_ == Phase::kTrain && dur_.collecting()) dur_.advance(c, nullptr, completed_, rounds_.count(), nullptr);
   for (const auto& [peer, donor] : rounds_.take_resyncs())
     if (Peer* p = c.peers.find(peer)) start_sync(c, *p, donor);
   for (const auto& [peer, what] : rounds_.take_blames()) integrity_failure(c, peer, what);
 
   switch (phase_) {
     case Phase::kTrain:
+      if (rolling_rounds()) roll_round(c);
       if (barrier_ == 0) barrier_ = next_barrier_mb();
-      while (flights_.size() < size_t(spec_.max_inflight) && taken_ < barrier_) take(c, taken_, false);
+      for (const uint64_t limit = std::min(barrier_, round_limit_mb()); flights_.size() < size_t(spec_.max_inflight) && taken_ < limit;)
+        take(c, taken_, false);
       flights_.dispatch(c);
       if (completed_ == barrier_ && flights_.empty()) {
         barrier_ = 0;

@@ -3,7 +3,8 @@
 //
 // Defines swarm::router::TrainingJob. Between microbatches the job is in one phase:
 //   kTrain     microbatches up to the next barrier (every step under `sync`; under `async` the
-//              next step with a round, an evaluation, a checkpoint or a snapshot, or the end)
+//              next step with an evaluation, a checkpoint or a snapshot, or the end: its DiLoCo
+//              rounds run alongside training, roll_round)
 //   kStepping  sync: STEP to every ready peer, waiting for them
 //   kRound     a blocking round (router/rounds.h)
 //   kEval      EVAL microbatches through every stage
@@ -64,6 +65,13 @@ class TrainingJob : public Job {
 
   // training_job.cpp: the loop.
   uint64_t next_barrier_mb() const;
+  // Job steps whose every microbatch has completed (the lowest one still in flight, or the next
+  // to take, over the microbatches per step).
+  int steps_complete() const;
+  // Whether DiLoCo rounds run alongside training (async, async_local) rather than at a barrier.
+  bool rolling_rounds() const { return spec_.schedule != Schedule::kSync; }
+  void roll_round(Ctx& c);
+  uint64_t round_limit_mb() const;   // microbatches that may be taken while a round is open
   void on_barrier(Ctx& c);
   void after_step(Ctx& c);
   void take(Ctx& c, uint64_t index, bool eval);
@@ -121,6 +129,7 @@ class TrainingJob : public Job {
   Durability dur_;
   std::map<uint64_t, std::pair<double, int>> step_loss_;   // step -> (sum, count)
   int steps_done_ = 0;
+  int rolled_to_ = 0;             // roll_round looked at the steps up to this one
   double train_loss_ = NAN, val_loss_ = NAN;
   std::deque<nlohmann::json> history_;   // {step, train_loss, tokens_per_s}, {step, val_loss}, {step, round, fragment}
   int64_t train_tokens_ = 0;

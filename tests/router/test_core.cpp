@@ -84,6 +84,54 @@ TEST(Core, UnderAsyncAStepsLastBackwardAtEachStageClosesTheStep) {
   }
 }
 
+// Under async a DiLoCo round runs alongside training: hops are sent between a round's
+// ROUND_BEGIN and its ROUND_APPLYs, and each round opens once every microbatch of its step has
+// completed. Under sync the pipeline is flushed for it: no hop is sent while a round is open.
+TEST(Core, UnderAsyncARoundDoesNotDrainThePipeline) {
+  for (const std::string schedule : {"async", "sync"}) {
+    FakeSwarm f;
+    two_by_two(f);
+    json spec = FakeSwarm::tiny_spec(2, 12);
+    spec["schedule"] = schedule;
+    spec["max_inflight"] = 8;   // 4 job steps of 2 microbatches
+    const uint64_t job = f.submit(f.client(), spec);
+    ASSERT_TRUE(f.run(60, [&] { return done(f, job); })) << schedule;
+    const json st = f.status(job);
+    EXPECT_EQ(st["microbatches"]["lost"], 0) << schedule;
+    EXPECT_EQ(st["rounds"], 6) << schedule;   // inner_steps 2 over 12 steps
+    std::vector<int> round_steps;
+    for (const auto& h : st["history"])
+      if (h.contains("round")) round_steps.push_back(h["step"].get<int>());
+    EXPECT_EQ(round_steps, (std::vector<int>{2, 4, 6, 8, 10, 12})) << schedule;
+    // Request ids grow with every request the router sends: what was sent while each round was
+    // open, and which training microbatches were answered before it opened.
+    std::map<uint64_t, std::pair<uint64_t, uint64_t>> open;   // round -> (first BEGIN id, last APPLY id)
+    std::vector<std::pair<uint64_t, uint64_t>> hops;           // (request id, microbatch) of each training hop
+    for (auto& [id, p] : f.peers)
+      for (const wire::Message& m : p.received) {
+        if (m.type == MsgType::kRoundBegin || m.type == MsgType::kRoundApply) {
+          const uint64_t round = m.type == MsgType::kRoundBegin ? msg::read<msg::RoundBegin>(m).round : msg::read<msg::RoundApply>(m).round;
+          auto it = open.emplace(round, std::make_pair(m.id, m.id)).first;
+          if (m.type == MsgType::kRoundBegin) it->second.first = std::min(it->second.first, m.id);
+          else it->second.second = std::max(it->second.second, m.id);
+        }
+        if (m.type == MsgType::kForward || m.type == MsgType::kForwardLoss || m.type == MsgType::kBackward)
+          hops.emplace_back(m.id, msg::read<msg::Hop>(m).mb);
+      }
+    ASSERT_EQ(open.size(), 6u) << schedule;
+    size_t during = 0;
+    for (const auto& [round, ids] : open) {
+      for (const auto& [id, mb] : hops) during += id > ids.first && id < ids.second;
+      // Every microbatch of the round's step and before it was sent its last hop before the round began.
+      const uint64_t step = uint64_t(round_steps[size_t(round - 1)]);
+      for (const auto& [id, mb] : hops)
+        if (mb < step * 2) EXPECT_LT(id, ids.first) << schedule << " round " << round << " microbatch " << mb;
+    }
+    if (schedule == "async") EXPECT_GT(during, 0u) << "no hop was sent while a round was open";
+    else EXPECT_EQ(during, 0u) << "sync sent hops while a round was open";
+  }
+}
+
 // A stage of more than Flights::kSampleAbove ready peers dispatches each hop among a seeded
 // sample of them plus the forward's peer: the work still spreads over the whole stage, a
 // backward still goes where its forward's graph is cached, and the same run sends the same hops.
