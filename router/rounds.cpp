@@ -149,6 +149,7 @@ void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
     st.shards = st.p2p ? std::min<int>(int(members.size()), msg::kMaxShards) : 1;
     msg::RoundBegin b;
     static_cast<msg::RoundRef&>(b) = ref(s);
+    if (plan.overlapped && plan.what == msg::RoundWhat::kDelta) b.step = uint64_t(step);
     for (Peer* p : members) {
       Pending pd;
       pd.kind = ReqKind::kRoundBegin;

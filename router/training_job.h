@@ -68,8 +68,8 @@ class TrainingJob : public Job {
   // Job steps whose every microbatch has completed (the lowest one still in flight, or the next
   // to take, over the microbatches per step).
   int steps_complete() const;
-  // Whether DiLoCo rounds run alongside training (async, async_local) rather than at a barrier.
-  bool rolling_rounds() const { return spec_.schedule != Schedule::kSync; }
+  // Whether DiLoCo rounds run alongside training (diloco.rounds) rather than at a barrier.
+  bool rolling_rounds() const { return rounds_alongside(spec_); }
   void roll_round(Ctx& c);
   uint64_t round_limit_mb() const;   // microbatches that may be taken while a round is open
   void on_barrier(Ctx& c);

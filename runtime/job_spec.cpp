@@ -534,6 +534,10 @@ void fill_and_validate(JobSpec& s, bool check_files) {
   if (dl.warm_start_steps == -1) {
     dl.warm_start_steps = dl.sync == DilocoSync::kRounds ? int(double(s.steps) * kAutoWarmStartFraction) : 0;
   }
+  if (dl.rounds == RoundTiming::kAlongside && s.schedule == Schedule::kSync) {
+    fail("diloco.rounds", "\"alongside\" runs rounds without draining the pipeline, but schedule \"sync\" drains it at every "
+                          "step; use \"auto\" or \"at_barrier\" with sync, or schedule \"async\"");
+  }
   if (dl.sync == DilocoSync::kEveryStep && s.schedule != Schedule::kSync) {
     fail("diloco.sync", "\"every_step\" averages gradients at every optimizer step, which needs schedule \"sync\" "
                         "(a barrier at every step); set \"schedule\": \"sync\"");
@@ -613,6 +617,21 @@ bool dense_step(const JobSpec& spec, int step) {
   return spec.diloco.sync == DilocoSync::kEveryStep || step <= spec.diloco.warm_start_steps;
 }
 const char* diloco_sync_name(DilocoSync s) { return s == DilocoSync::kEveryStep ? "every_step" : "rounds"; }
+
+const char* round_timing_name(RoundTiming t) {
+  switch (t) {
+    case RoundTiming::kAlongside: return "alongside";
+    case RoundTiming::kAtBarrier: return "at_barrier";
+    case RoundTiming::kAuto: break;
+  }
+  return "auto";
+}
+
+bool rounds_alongside(const JobSpec& spec) {
+  if (spec.schedule == Schedule::kSync) return false;
+  if (spec.diloco.rounds == RoundTiming::kAuto) return spec.max_inflight > spec.microbatches_per_step();
+  return spec.diloco.rounds == RoundTiming::kAlongside;
+}
 const char* routing_mode_name(RoutingMode m) { return m == RoutingMode::kStatic ? "static" : "swarm"; }
 const char* hops_name(Hops h) { return h == Hops::kHub ? "hub" : "p2p"; }
 
@@ -685,7 +704,7 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
     o.get("grad_clip", s.optimizer.grad_clip);
   }
   if (const json* v = top.sub("diloco")) {
-    Obj o(*v, "diloco", {"inner_steps", "outer_lr", "outer_momentum", "nesterov", "deadline_s", "sync", "warm_start_steps", "streaming"});
+    Obj o(*v, "diloco", {"inner_steps", "outer_lr", "outer_momentum", "nesterov", "deadline_s", "sync", "warm_start_steps", "streaming", "rounds"});
     o.get("inner_steps", s.diloco.inner_steps);
     o.get("outer_lr", s.diloco.outer_lr);
     o.get("outer_momentum", s.diloco.outer_momentum);
@@ -697,6 +716,12 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
                                        "\"rounds\" (DiLoCo: an outer step every inner_steps) or \"every_step\" "
                                        "(average gradients every step, the data-parallel reference)");
     o.get("warm_start_steps", s.diloco.warm_start_steps);
+    std::string rounds = round_timing_name(s.diloco.rounds);
+    o.get("rounds", rounds);
+    s.diloco.rounds = choose<RoundTiming>("diloco.rounds", rounds,
+                                          {{"auto", RoundTiming::kAuto}, {"alongside", RoundTiming::kAlongside}, {"at_barrier", RoundTiming::kAtBarrier}},
+                                          "\"auto\" (alongside training when more than one job step is in flight), \"alongside\" "
+                                          "(the pipeline is not drained for a round) or \"at_barrier\" (drained, as under sync)");
     if (const json* st = o.sub("streaming")) {
       Obj so(*st, "diloco.streaming", {"fragments", "overlap_steps"});
       so.get("fragments", s.diloco.fragments);
@@ -808,6 +833,7 @@ json to_json(const JobSpec& s) {
                  {"deadline_s", s.diloco.deadline_s},
                  {"sync", diloco_sync_name(s.diloco.sync)},
                  {"warm_start_steps", s.diloco.warm_start_steps},
+                 {"rounds", round_timing_name(s.diloco.rounds)},
                  {"streaming", {{"fragments", s.diloco.fragments}, {"overlap_steps", s.diloco.overlap_steps}}}};
   j["compression"] = {{"activations", s.compression.activations},
                       {"gradients", s.compression.gradients},

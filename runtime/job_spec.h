@@ -23,10 +23,16 @@ namespace swarm {
 // samples, at its own count's learning rate (the first asynchronous schedule, kept to compare).
 enum class Schedule { kAsync, kSync, kAsyncLocal };
 enum class DilocoSync { kRounds, kEveryStep };  // "rounds": DiLoCo; "every_step": the data-parallel reference
+// When a DiLoCo round runs under async and async_local: "alongside" training (the pipeline is
+// not drained for it), "at_barrier" (drained, as under sync), or "auto": alongside when more
+// than one job step of microbatches is in flight (max_inflight > microbatches per step), where
+// a drain costs the most.
+enum class RoundTiming { kAuto, kAlongside, kAtBarrier };
 enum class RoutingMode { kSwarm, kStatic };   // "swarm": least expected completion; "static": fixed pipelines
 enum class Hops { kP2p, kHub };               // "p2p": tensors go peer to peer; "hub": through the router
 const char* schedule_name(Schedule s);
 const char* diloco_sync_name(DilocoSync s);
+const char* round_timing_name(RoundTiming t);
 const char* routing_mode_name(RoutingMode m);
 const char* hops_name(Hops h);
 
@@ -98,6 +104,7 @@ struct DilocoSpec {
   int warm_start_steps = -1;
   int fragments = 1;           // streaming: the parameters split in F fragments, one synced every H/F steps
   int overlap_steps = 0;       // streaming: inner steps a fragment's exchange overlaps before it is applied
+  RoundTiming rounds = RoundTiming::kAuto;
 };
 
 // The share of a job's steps that the derived warm start covers (docs/schedules.md has the
@@ -180,6 +187,8 @@ std::vector<int64_t> stage_parameter_counts(const JobSpec& spec);
 // Whether job step `step` (1-based) is dense: the stage group sums its gradients and every peer
 // takes the same step (diloco.sync "every_step", and the warm start of "rounds"). The pipeline
 // flushes before such a step under every schedule.
+// Whether the job's DiLoCo rounds run alongside training (diloco.rounds resolved): never under sync.
+bool rounds_alongside(const JobSpec& spec);
 bool dense_step(const JobSpec& spec, int step);
 
 // Field-by-field equality (through the canonical JSON), e.g. to check that peers run the same job.

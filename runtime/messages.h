@@ -287,6 +287,14 @@ struct RoundRef {
 
 struct RoundBegin : RoundRef {
   static constexpr MsgType kType = MsgType::kRoundBegin;
+  // A round alongside training (async): every microbatch of job steps 1..step has completed; a
+  // peer holding gradients of one of them takes that step before it computes its delta.
+  std::optional<uint64_t> step;
+  template <class V>
+  void visit(V& v) {
+    RoundRef::visit(v);
+    v.field("step", step, kOptional, kMaxCount);
+  }
 };
 
 struct RoundDelta {

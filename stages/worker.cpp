@@ -678,6 +678,12 @@ struct Worker::Impl {
   Message round_begin(Message& req) {
     const msg::RoundBegin b = msg::read<msg::RoundBegin>(req);
     check_job(b.job_id);
+    // async, a round alongside training: the gradients held for a job step the round covers
+    // (no more backwards of it are coming) go into the weights the delta is taken from, as the
+    // STEP of a barrier would have put them.
+    if (b.step && spec_.schedule == Schedule::kAsync && accum_samples_ > 0 && uint64_t(held_step_) <= *b.step &&
+        !dense_step(spec_, held_step_))
+      take_step();
     const auto [lo, hi] = fragment(b);
     std::vector<float> v;
     msg::RoundDelta d;

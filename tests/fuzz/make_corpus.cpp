@@ -128,6 +128,9 @@ void wire_seeds() {
   // The round, and state transfer.
   const json round{{"job_id", 1}, {"round", 4}, {"stage", 2}, {"what", "delta"}, {"fragment", 1}, {"fragments", 4}};
   wire_seed("seed-round-begin", wire::json_message(MsgType::kRoundBegin, 20, 0, round));
+  json rolling = round;
+  rolling["step"] = 120;   // a round alongside training (async)
+  wire_seed("seed-round-begin-step", wire::json_message(MsgType::kRoundBegin, 20, 0, rolling));
   wire_seed("seed-round-delta-topk", with(wire::json_message(MsgType::kRoundDelta, 20, 0,
       json{{"round", 4}, {"stage", 2}, {"samples", 320}, {"what", "delta"}}), f32("topk:block=1024,fraction=0.01", {3000}, 1e-3f)));
   wire_seed("seed-round-delta-int8-zstd", with(wire::json_message(MsgType::kRoundDelta, 21, 0,

@@ -129,6 +129,9 @@ TEST(Durability, StageWhosePeersAllDiedRestartsFromItsSnapshot) {
   const std::string dir = temp_dir();
   const std::string data = write_text(dir);
   json spec = tiny_job(data, 2, 60, "async");
+  // Two job steps in flight: the rounds run alongside training (diloco.rounds "auto"), and so
+  // are the snapshots after them, which the stage restarts from.
+  spec["max_inflight"] = 8;
   std::vector<pid_t> pids;
   {
     LocalSwarm swarm(dir, kBuild);
@@ -140,7 +143,8 @@ TEST(Durability, StageWhosePeersAllDiedRestartsFromItsSnapshot) {
     Client c(swarm.router_endpoint());
     wait_for_peers(c, 4);
     const uint64_t id = submit(c, spec);
-    poll_until(c, id, 120, [](const json& st) { return st["step"].get<int>() >= 22; });
+    // Round 5 (step 25) begun: round 3's snapshot (step 15) is surely in, round 4's maybe.
+    poll_until(c, id, 120, [](const json& st) { return st["step"].get<int>() >= 22 && st["rounds"].get<int>() >= 5; });
     swarm.kill_stage(2, SIGKILL);
     swarm.kill_stage(3, SIGKILL);
     json paused = poll_until(c, id, 30, [](const json& st) { return st["peers_per_stage"][1] == 0 && !st["reason"].get<std::string>().empty(); });
@@ -150,14 +154,14 @@ TEST(Durability, StageWhosePeersAllDiedRestartsFromItsSnapshot) {
     ASSERT_EQ(st["state"], "done") << st.dump();
     EXPECT_EQ(st["microbatches"]["lost"], 0);
     EXPECT_EQ(st["microbatches"]["taken"], st["microbatches"]["completed"]);
-    // No peer failed a hop: a round applied while graphs were cached (async rounds run alongside
-    // training) must not look like an in-place change to their backwards.
-    EXPECT_EQ(st["microbatches"]["rejected"], 0) << st["events"].dump();
+    // No backward failed: a round applied while graphs were cached (the rounds run alongside
+    // training) must not look like an in-place change to them.
+    for (const auto& e : st["events"]) EXPECT_EQ(e["text"].get<std::string>().find("compute failed"), std::string::npos) << e["text"];
     const json& restores = st["stage_restores"];
     ASSERT_EQ(restores.size(), 1u) << st.dump();
     EXPECT_EQ(restores[0]["stage"], 1);
     EXPECT_EQ(restores[0]["peer"], "s1-new");
-    EXPECT_GE(restores[0]["snapshot_step"].get<int>(), 20);  // a round's snapshot, not the initial weights
+    EXPECT_GE(restores[0]["snapshot_step"].get<int>(), 15);  // a round's snapshot, not the initial weights
     EXPECT_GE(restores[0]["lost_steps"].get<int>(), 0);
     // Training carried on from where it was: no return to a fresh model's loss.
     const std::vector<double> losses = train_losses(st);

@@ -84,15 +84,18 @@ TEST(Core, UnderAsyncAStepsLastBackwardAtEachStageClosesTheStep) {
   }
 }
 
-// Under async a DiLoCo round runs alongside training: hops are sent between a round's
-// ROUND_BEGIN and its ROUND_APPLYs, and each round opens once every microbatch of its step has
-// completed. Under sync the pipeline is flushed for it: no hop is sent while a round is open.
+// Under async with more than a job step in flight a DiLoCo round runs alongside training (the
+// default diloco.rounds "auto"): hops are sent between a round's ROUND_BEGIN and its
+// ROUND_APPLYs, and each round opens once every microbatch of its step has completed. Under sync,
+// and under async with "at_barrier", the pipeline is flushed for it: no hop is sent while a
+// round is open.
 TEST(Core, UnderAsyncARoundDoesNotDrainThePipeline) {
-  for (const std::string schedule : {"async", "sync"}) {
+  for (const std::string schedule : {"async", "async at_barrier", "sync"}) {
     FakeSwarm f;
     two_by_two(f);
     json spec = FakeSwarm::tiny_spec(2, 12);
-    spec["schedule"] = schedule;
+    spec["schedule"] = schedule == "sync" ? "sync" : "async";
+    if (schedule == "async at_barrier") spec["diloco"]["rounds"] = "at_barrier";
     spec["max_inflight"] = 8;   // 4 job steps of 2 microbatches
     const uint64_t job = f.submit(f.client(), spec);
     ASSERT_TRUE(f.run(60, [&] { return done(f, job); })) << schedule;

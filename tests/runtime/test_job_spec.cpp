@@ -371,6 +371,15 @@ TEST(JobSpec, DilocoEvalTimeoutRules) {
   EXPECT_EQ(swarm::parse_job_spec(with(with(minimal(), "schedule", "async"), "diloco.warm_start_steps", 5), false).diloco.warm_start_steps, 5);
   EXPECT_EQ(swarm::parse_job_spec(with(with(minimal(), "schedule", "sync"), "diloco.sync", "every_step"), false).diloco.warm_start_steps, 0);
   EXPECT_EQ(swarm::parse_job_spec(with(minimal(), "diloco.warm_start_steps", 0), false).diloco.warm_start_steps, 0);
+  // Rounds alongside training: by default only where more than one job step is in flight; never under sync.
+  EXPECT_HAS(error_of(with(minimal(), "diloco.rounds", "sometimes")), "diloco.rounds");
+  EXPECT_HAS(error_of(with(with(minimal(), "schedule", "sync"), "diloco.rounds", "alongside")), "diloco.rounds: \"alongside\"");
+  const auto async_with = [&](int inflight) { return with(with(minimal(), "schedule", "async"), "max_inflight", inflight); };
+  EXPECT_FALSE(swarm::rounds_alongside(swarm::parse_job_spec(async_with(4), false)));   // one job step of 4
+  EXPECT_TRUE(swarm::rounds_alongside(swarm::parse_job_spec(async_with(8), false)));
+  EXPECT_TRUE(swarm::rounds_alongside(swarm::parse_job_spec(with(async_with(4), "diloco.rounds", "alongside"), false)));
+  EXPECT_FALSE(swarm::rounds_alongside(swarm::parse_job_spec(with(async_with(8), "diloco.rounds", "at_barrier"), false)));
+  EXPECT_FALSE(swarm::rounds_alongside(swarm::parse_job_spec(with(with(async_with(8), "schedule", "sync"), "diloco.rounds", "auto"), false)));
   EXPECT_HAS(error_of(with(minimal(), "eval.batches", 0)), "eval.batches: must be at least 1");
   EXPECT_HAS(error_of(with(minimal(), "eval.every_steps", -1)), "eval.every_steps");
   EXPECT_HAS(error_of(with(minimal(), "timeouts.forward_s", 0.0)), "timeouts.forward_s: must be > 0");
