@@ -339,12 +339,18 @@ void TrainingJob::roll_round(Ctx& c) {
 
 // A round alongside training may run late (slow links, a late peer), but training never gets
 // a whole round ahead of it: while one is open, no microbatch past the next round's step is taken.
-uint64_t TrainingJob::round_limit_mb() const {
+uint64_t TrainingJob::round_limit_mb() {
   if (!rolling_rounds() || !rounds_.open()) return total_mbs_;
   const int last = rounds_.last_step();
+  if (limit_.first == last) return limit_.second;   // worked out once per round
+  uint64_t limit = total_mbs_;
   for (int t = last + 1; t < spec_.steps; ++t)
-    if (delta_round_due(spec_, t, last, false) >= 0) return std::min(total_mbs_, uint64_t(t) * uint64_t(M_));
-  return total_mbs_;
+    if (delta_round_due(spec_, t, last, false) >= 0) {
+      limit = std::min(total_mbs_, uint64_t(t) * uint64_t(M_));
+      break;
+    }
+  limit_ = {last, limit};
+  return limit;
 }
 
 void TrainingJob::advance(Ctx& c) {

@@ -71,7 +71,7 @@ class TrainingJob : public Job {
   // Whether DiLoCo rounds run alongside training (diloco.rounds) rather than at a barrier.
   bool rolling_rounds() const { return rounds_alongside(spec_); }
   void roll_round(Ctx& c);
-  uint64_t round_limit_mb() const;   // microbatches that may be taken while a round is open
+  uint64_t round_limit_mb();   // microbatches that may be taken while a round is open
   void on_barrier(Ctx& c);
   void after_step(Ctx& c);
   void take(Ctx& c, uint64_t index, bool eval);
@@ -130,6 +130,7 @@ class TrainingJob : public Job {
   std::map<uint64_t, std::pair<double, int>> step_loss_;   // step -> (sum, count)
   int steps_done_ = 0;
   int rolled_to_ = 0;             // roll_round looked at the steps up to this one
+  std::pair<int, uint64_t> limit_{-1, 0};   // round_limit_mb of the round opened at this step
   double train_loss_ = NAN, val_loss_ = NAN;
   std::deque<nlohmann::json> history_;   // {step, train_loss, tokens_per_s}, {step, val_loss}, {step, round, fragment}
   int64_t train_tokens_ = 0;
