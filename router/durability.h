@@ -4,8 +4,9 @@
 //
 // Defines swarm::router::Durability. A snapshot is one ready peer's full state per stage
 // (theta_g, momentum, its weights and AdamW moments), asked for with STATE_REQUEST {full} at a
-// barrier after every round (or every checkpoint.snapshot_every_steps steps; under async, right
-// after a round that ran alongside training, without a barrier) and whenever a checkpoint is due; a stage whose peers all die restarts from it. A checkpoint is every
+// barrier after every round (or every checkpoint.snapshot_every_steps steps; right after a
+// round that ran alongside training, without a barrier) and whenever a checkpoint is due; a
+// stage whose peers all die restarts from it. A checkpoint is every
 // stage's snapshot of one step, written by the server (WriteCheckpoint) off the router's
 // thread; the job does not end before its last checkpoint is on disk. The state dir holds
 // <state dir>/jobs/<id>/job.json (the spec and the job's state, so a restarted router picks

@@ -78,8 +78,8 @@ void TrainingJob::on_loaded(Ctx& c, Peer& p, wire::Message& m) {
 }
 
 // A loaded peer gets the stage's state before it serves: the snapshot when it is current (taken
-// at a barrier at this step: a resumed job), else a live donor's (`donor` when the caller chose one), else the snapshot
-// however old (the whole stage had died: the status counts the steps it lost), else (nothing
+// at a barrier of this step: a resumed job), else a live donor's (`donor` when the caller chose
+// one), else the snapshot however old (the whole stage had died: the status counts the steps it lost), else (nothing
 // learned yet) its initial weights, the same on every peer.
 void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
   c.peers.set_state(p, PeerState::kSyncing);

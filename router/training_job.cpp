@@ -294,7 +294,7 @@ uint64_t TrainingJob::next_barrier_mb() const {
   // schedule: the group sums the gradients of exactly that step.
   if (spec_.schedule == Schedule::kSync || dense_step(spec_, steps_done_ + 1)) return std::min(total_mbs_, (uint64_t(steps_done_) + 1) * M);
   auto multiple = [](int s, int every) { return every > 0 && s % every == 0; };
-  // A DiLoCo round flushes only under sync; otherwise it runs alongside training (roll_round).
+  // A DiLoCo round that runs alongside training (roll_round) needs no barrier.
   const bool round_barriers = !rolling_rounds();
   for (int s = steps_done_ + 1; s < spec_.steps; ++s) {
     if ((round_barriers && (delta_round_due(spec_, s, rounds_.last_step(), false) >= 0 || (rounds_.open() && s >= rounds_.apply_step()))) ||
@@ -311,8 +311,8 @@ int TrainingJob::steps_complete() const {
   return int(first / uint64_t(M_));
 }
 
-// Under async and async_local a DiLoCo round does not drain the pipeline: it opens once every
-// microbatch of its step has completed, while later ones go on; each peer sends its outer
+// A DiLoCo round alongside training (diloco.rounds; never under sync) does not drain the
+// pipeline: it opens once every microbatch of its step has completed, while later ones go on; each peer sends its outer
 // gradient when the ROUND_BEGIN reaches it, between two hops, and applies the group's mean when
 // the ROUND_APPLY does, keeping what it learned in between (as an overlapped round does). A
 // microbatch whose forward ran before the apply takes its backward on the weights of its forward
@@ -391,12 +391,15 @@ void TrainingJob::advance(Ctx& c) {
     c.event(EventKind::kJob, LogLevel::kInfo, "job " + std::to_string(id_) + " running", id_);
   }
   reason_ = empty.empty() ? "" : "paused: stage(s) " + empty + " have no live peer; start a stage server for them";
-  // An open round moves on in any phase (an overlapped one alongside training); it is applied
-  // only in kRound, at its barrier.
-  if (rounds_.open() && phase_ != Phase::kRound && rounds_.advance(c, rolling_rounds() && steps_complete() >= rounds_.apply_step()) &&
-      phase_ == Phase::kTrain && !dur_.collecting() && dur_.snapshot_due(rounds_.last_step(), rounds_.count(), false))
-    dur_.begin(c, rounds_.last_step(), false, /*at_barrier=*/false);   // θ_g has just moved: a snapshot, training going on
-  // A snapshot after a round alongside training is collected while training goes on.
+  // An open round moves on in any phase (an overlapped one alongside training); it is applied in
+  // kRound, at its barrier, or, a round alongside training (roll_round), once every microbatch of
+  // its step (plus any overlap_steps) has completed.
+  if (rounds_.open() && phase_ != Phase::kRound) {
+    const bool over = rounds_.advance(c, rolling_rounds() && steps_complete() >= rounds_.apply_step());
+    // θ_g has just moved: the snapshot after it, collected while training goes on.
+    if (over && phase_ == Phase::kTrain && !dur_.collecting() && dur_.snapshot_due(rounds_.last_step(), rounds_.count(), false))
+      dur_.begin(c, rounds_.last_step(), false, /*at_barrier=*/false);
+  }
   if (phase_ == Phase::kTrain && dur_.collecting()) dur_.advance(c, nullptr, completed_, rounds_.count(), nullptr);
   for (const auto& [peer, donor] : rounds_.take_resyncs())
     if (Peer* p = c.peers.find(peer)) start_sync(c, *p, donor);

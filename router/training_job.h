@@ -3,8 +3,8 @@
 //
 // Defines swarm::router::TrainingJob. Between microbatches the job is in one phase:
 //   kTrain     microbatches up to the next barrier (every step under `sync`; under `async` the
-//              next step with an evaluation, a checkpoint or a snapshot, or the end: its DiLoCo
-//              rounds run alongside training, roll_round)
+//              next step with a round, an evaluation, a checkpoint or a snapshot, or the end;
+//              not a round that runs alongside training, diloco.rounds: roll_round)
 //   kStepping  sync: STEP to every ready peer, waiting for them
 //   kRound     a blocking round (router/rounds.h)
 //   kEval      EVAL microbatches through every stage

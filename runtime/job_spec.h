@@ -187,9 +187,9 @@ std::vector<int64_t> stage_parameter_counts(const JobSpec& spec);
 // Whether job step `step` (1-based) is dense: the stage group sums its gradients and every peer
 // takes the same step (diloco.sync "every_step", and the warm start of "rounds"). The pipeline
 // flushes before such a step under every schedule.
+bool dense_step(const JobSpec& spec, int step);
 // Whether the job's DiLoCo rounds run alongside training (diloco.rounds resolved): never under sync.
 bool rounds_alongside(const JobSpec& spec);
-bool dense_step(const JobSpec& spec, int step);
 
 // Field-by-field equality (through the canonical JSON), e.g. to check that peers run the same job.
 bool operator==(const JobSpec& a, const JobSpec& b);
