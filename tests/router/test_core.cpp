@@ -131,7 +131,7 @@ TEST(Core, UnderAsyncARoundDoesNotDrainThePipeline) {
         if (mb < step * 2) EXPECT_LT(id, ids.first) << schedule << " round " << round << " microbatch " << mb;
     }
     if (schedule == "async") EXPECT_GT(during, 0u) << "no hop was sent while a round was open";
-    else EXPECT_EQ(during, 0u) << "sync sent hops while a round was open";
+    else EXPECT_EQ(during, 0u) << schedule << " sent hops while a round was open";
   }
 }
 
