@@ -357,7 +357,7 @@ Actions RouterCore::on_message(const PeerId& from, wire::Message m, double now, 
     I.bad(c, from, &m, WireErrc::kForbidden, "this routing id belongs to another key's session");
     return out;
   }
-  if (p) I.peers.touch(from, now);
+  if (p) I.peers.touch(*p, now);
   if (cl != I.clients.end()) cl->second.last_s = now;
   try {
     if (m.type == MsgType::kHello) {
@@ -410,7 +410,7 @@ Actions RouterCore::on_undecodable(const PeerId& from, const WireError& e, std::
   Impl& I = *impl_;
   I.bad_messages++;
   Peer* p = I.peers.find(from);
-  if (p) I.peers.touch(from, now);
+  if (p) I.peers.touch(*p, now);
   c.warn("dropped a bad message" + (p ? " from peer " + p->hello.name : std::string()) + ": " + e.what());
   wire::Message reply = msg::error_reply(nullptr, e.code(), e.what());
   // A peer of another protocol version reads the refusal in the envelope every version reads.
@@ -468,7 +468,13 @@ Actions RouterCore::tick(double now) {
     for (auto it = I.clients.begin(); it != I.clients.end();) it = now - it->second.last_s > I.opt.client_idle_s ? I.clients.erase(it) : std::next(it);
   }
   // What holders may drop, batched per holder once a tick.
-  for (auto& [holder, keys] : I.released) {
+  std::vector<std::pair<const PeerId*, std::vector<int64_t>*>> holders;
+  holders.reserve(I.released.size());
+  for (auto& [holder, keys] : I.released) holders.emplace_back(&holder, &keys);
+  std::sort(holders.begin(), holders.end(), [](const auto& a, const auto& b) { return *a.first < *b.first; });   // the same order every run
+  for (const auto& [holder_ptr, keys_ptr] : holders) {
+    const PeerId& holder = *holder_ptr;
+    const std::vector<int64_t>& keys = *keys_ptr;
     if (!I.peers.find(holder)) continue;
     for (size_t at = 0; at < keys.size(); at += msg::Release::kMaxKeys) {
       msg::Release r;

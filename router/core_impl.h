@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "router/core.h"
@@ -40,7 +41,7 @@ struct RouterCore::Impl {
   uint64_t running = 0;                    // the job that was active after the last event
   uint64_t bad_messages = 0;
   double last_beat_s = -1e300;
-  std::map<PeerId, std::vector<int64_t>> released;   // RELEASE keys per holder, sent by tick
+  std::unordered_map<PeerId, std::vector<int64_t>> released;   // RELEASE keys per holder, sent by tick (in holder order)
   Events events;                           // the timeline: the status's `events`, /api/events
 
   explicit Impl(CoreOptions o) : opt(std::move(o)), peers(opt.heartbeat_ms, opt.liveness) {}

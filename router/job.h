@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -29,11 +30,42 @@ struct Held {
   wire::TensorDesc desc;
 };
 
+// An optional kept on the heap: as small as a pointer when empty. A flight keeps 2 x stages
+// slots, most of them empty at any time; inline optionals made each slot ~340 bytes, and the
+// router's hot path a walk through cache misses at thousands of flights.
+template <class T>
+class Boxed {
+ public:
+  Boxed() = default;
+  Boxed(const Boxed& o) : p_(o.p_ ? std::make_unique<T>(*o.p_) : nullptr) {}
+  Boxed(Boxed&&) noexcept = default;
+  Boxed& operator=(const Boxed& o) {
+    if (this != &o) p_ = o.p_ ? std::make_unique<T>(*o.p_) : nullptr;
+    return *this;
+  }
+  Boxed& operator=(Boxed&&) noexcept = default;
+  Boxed& operator=(T v) {
+    if (p_) *p_ = std::move(v);
+    else p_ = std::make_unique<T>(std::move(v));
+    return *this;
+  }
+  bool has_value() const { return p_ != nullptr; }
+  explicit operator bool() const { return p_ != nullptr; }
+  T& operator*() { return *p_; }
+  const T& operator*() const { return *p_; }
+  T* operator->() { return p_.get(); }
+  const T* operator->() const { return p_.get(); }
+  void reset() { p_.reset(); }
+
+ private:
+  std::unique_ptr<T> p_;
+};
+
 // A tensor a job needs: its bytes (kept by the router), or where they are held; neither: not
 // made yet (or lost with its holder).
 struct Slot {
-  std::optional<wire::Tensor> bytes;
-  std::optional<Held> held;
+  Boxed<wire::Tensor> bytes;
+  Boxed<Held> held;
   bool known() const { return bytes.has_value() || held.has_value(); }
   const wire::TensorDesc& desc() const { return bytes ? bytes->desc : held->desc; }
 };
@@ -45,7 +77,7 @@ struct Ctx {
   Registry& peers;
   Requests& requests;
   Actions& out;
-  std::map<PeerId, std::vector<int64_t>>& released;   // keys to RELEASE at each holder, sent at the next tick
+  std::unordered_map<PeerId, std::vector<int64_t>>& released;   // keys to RELEASE at each holder, sent at the next tick
   Events& events;                                     // the timeline (router/events.h)
 
   void send(const PeerId& to, wire::Message m) { out.push_back(Send{to, std::move(m)}); }

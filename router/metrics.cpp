@@ -9,29 +9,35 @@ using metrics::Exposition;
 using metrics::Labels;
 using metrics::Type;
 
+HopCounts& HopMetrics::at(int stage, const char* kind) {
+  HopCounts*& c = by_label_.at[Label{stage, kind}];
+  if (!c) c = &counts_[{stage, kind}];
+  return *c;
+}
+
 void HopMetrics::sent(uint64_t request, int stage, const char* kind) {
-  counts_[{stage, kind}].sent++;
-  recent_[request] = {stage, kind};
-  if (recent_.size() > kRecent) recent_.erase(recent_.begin());   // ids grow: the oldest goes
+  at(stage, kind).sent++;
+  if (recent_.empty()) recent_.resize(kRecent);
+  recent_[request % kRecent] = Recent{request, Label{stage, kind}};
 }
 
 void HopMetrics::completed(int stage, const char* kind, double latency_s) {
-  counts_[{stage, kind}].completed++;
+  at(stage, kind).completed++;
   auto it = latency_.find(stage);
   if (it == latency_.end()) it = latency_.emplace(stage, metrics::Histogram(metrics::latency_buckets())).first;
   it->second.observe(latency_s);
 }
 
 void HopMetrics::failed(int stage, const char* kind, bool rejected) {
-  HopCounts& h = counts_[{stage, kind}];
+  HopCounts& h = at(stage, kind);
   h.resent++;
   if (rejected) h.rejected++;
 }
 
 void HopMetrics::duplicate(uint64_t request) {
-  auto it = recent_.find(request);
-  if (it == recent_.end()) counts_[{-1, "unknown"}].duplicated++;
-  else counts_[{it->second.first, it->second.second}].duplicated++;
+  const Recent* r = recent_.empty() ? nullptr : &recent_[request % kRecent];
+  if (!r || r->request != request) at(-1, "unknown").duplicated++;
+  else at(r->label.stage, r->label.kind).duplicated++;
 }
 
 namespace {

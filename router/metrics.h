@@ -12,6 +12,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -43,9 +44,35 @@ class HopMetrics {
   static constexpr size_t kRecent = 8192;
 
  private:
+  HopCounts& at(int stage, const char* kind);
   std::map<std::pair<int, std::string>, HopCounts> counts_;
   std::map<int, metrics::Histogram> latency_;
-  std::map<uint64_t, std::pair<int, const char*>> recent_;   // request id -> (stage, kind)
+  // counts_ entries by (stage, kind pointer): kinds are static strings, so a hop finds its
+  // counters with one hash lookup and builds no string. A cache: a copy starts it empty (its
+  // pointers point into the original's counts_).
+  struct Label {
+    int stage = 0;
+    const char* kind = nullptr;
+    bool operator==(const Label& o) const { return stage == o.stage && kind == o.kind; }
+  };
+  struct LabelHash {
+    size_t operator()(const Label& l) const { return std::hash<const void*>()(l.kind) ^ (size_t(l.stage) * 0x9e3779b97f4a7c15ull); }
+  };
+  struct ByLabel {
+    std::unordered_map<Label, HopCounts*, LabelHash> at;
+    ByLabel() = default;
+    ByLabel(const ByLabel&) {}
+    ByLabel& operator=(const ByLabel&) {
+      at.clear();
+      return *this;
+    }
+  } by_label_;
+  // The labels of the newest requests, at request id % kRecent (a ring: no allocation per hop).
+  struct Recent {
+    uint64_t request = 0;
+    Label label;
+  };
+  std::vector<Recent> recent_;
 };
 
 struct JobMetrics {

@@ -33,7 +33,8 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
   p.joined_s = p.last_seen_s = now;
   auto [it, ok] = peers_.emplace(id, std::move(p));
   Peer& added = it->second;
-  expiry_.emplace(now + window_s_, &added.id);
+  expiry_.emplace(now + window_s_, &added);
+  filed_[&added] = now + window_s_;
   by_id_[id] = &added;
   index(added);
   if (!added.hello.listen.empty()) by_listen_.emplace(added.hello.listen, &added);
@@ -43,7 +44,9 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
 void Registry::remove(const PeerId& id) {
   auto it = peers_.find(id);
   if (it == peers_.end()) return;
-  expiry_.erase({it->second.last_seen_s + window_s_, &it->second.id});
+  const auto f = filed_.find(&it->second);
+  expiry_.erase({f->second, &it->second});
+  filed_.erase(f);
   unindex(it->second);
   for (auto [l, end] = by_listen_.equal_range(it->second.hello.listen); l != end; ++l)
     if (l->second == &it->second) {
@@ -78,19 +81,20 @@ void Registry::index(Peer& p) {
   if (p.state == PeerState::kReady) list_ready({p.job_id, p.stage}, b, p);
 }
 
+namespace {
+auto by_seq = [](const Peer* a, uint64_t seq) { return a->seq < seq; };
+}  // namespace
+
 void Registry::list_ready(const std::pair<uint64_t, int>& key, StageIndex& b, Peer& p) {
   ready_changed(key, b.ready.size(), b.ready.size() + 1);
-  p.ready_pos = b.ready.size();
-  b.ready.push_back(&p);
+  b.ready.insert(std::lower_bound(b.ready.begin(), b.ready.end(), p.seq, by_seq), &p);
 }
 
 void Registry::unlist_ready(const std::pair<uint64_t, int>& key, StageIndex& b, const Peer& p) {
-  SWARM_CHECK(p.ready_pos < b.ready.size() && b.ready[p.ready_pos] == &p, "peer " + p.hello.name + " is missing from its stage's ready list");
+  const auto at = std::lower_bound(b.ready.begin(), b.ready.end(), p.seq, by_seq);
+  SWARM_CHECK(at != b.ready.end() && *at == &p, "peer " + p.hello.name + " is missing from its stage's ready list");
   ready_changed(key, b.ready.size(), b.ready.size() - 1);
-  Peer* last = b.ready.back();
-  b.ready[p.ready_pos] = last;
-  last->ready_pos = p.ready_pos;
-  b.ready.pop_back();
+  b.ready.erase(at);
 }
 
 void Registry::place(Peer& p, uint64_t job, int stage) {
@@ -122,8 +126,8 @@ void Registry::check_index() const {
                   "peer " + p->hello.name + " changed its job or stage without Registry::place");
       ready += p->state == PeerState::kReady;
       idle += p->state == PeerState::kIdle;
-      SWARM_CHECK(p->state != PeerState::kReady || (p->ready_pos < b.ready.size() && b.ready[p->ready_pos] == p),
-                  "ready peer " + p->hello.name + " is not in its stage's ready list where it says");
+      SWARM_CHECK(p->state != PeerState::kReady || std::binary_search(b.ready.begin(), b.ready.end(), p, [](const Peer* x, const Peer* y) { return x->seq < y->seq; }),
+                  "ready peer " + p->hello.name + " is not in its stage's ready list");
       n++;
     }
     SWARM_CHECK(ready == b.ready.size() && idle == b.idle, "a peer changed its state without Registry::set_state");
@@ -151,25 +155,24 @@ const Peer* Registry::find(const PeerId& id) const {
   return it == by_id_.end() ? nullptr : it->second;
 }
 
-void Registry::touch(const PeerId& id, double now) {
-  Peer* p = find(id);
-  if (!p || now <= p->last_seen_s) return;
-  // The same entry moved to its new time: no allocation.
-  auto node = expiry_.extract({p->last_seen_s + window_s_, &p->id});
-  p->last_seen_s = now;
-  if (node.empty()) {
-    expiry_.emplace(now + window_s_, &p->id);
-  } else {
-    node.value().first = now + window_s_;
+std::vector<PeerId> Registry::expired(double now) {
+  // Entries come due at the time they were filed; a peer heard from since is filed again at
+  // its real expiry (once per liveness window at most, rather than a move on every message).
+  std::vector<decltype(expiry_)::node_type> refile;
+  for (auto it = expiry_.begin(); it != expiry_.end() && it->first < now;) {
+    const auto next = std::next(it);
+    if (it->second->last_seen_s + window_s_ != it->first) refile.push_back(expiry_.extract(it));
+    it = next;
+  }
+  for (auto& node : refile) {
+    Peer* p = node.value().second;
+    node.value().first = filed_[p] = p->last_seen_s + window_s_;
     expiry_.insert(std::move(node));
   }
-}
-
-std::vector<PeerId> Registry::expired(double now) const {
   std::vector<PeerId> out;
-  for (const auto& [t, id] : expiry_) {
+  for (const auto& [t, p] : expiry_) {
     if (t >= now) break;
-    out.push_back(*id);
+    out.push_back(p->id);
   }
   return out;
 }
@@ -210,14 +213,20 @@ void Registry::measured(Peer& p, double compute_ms, double units, double latency
 }
 
 std::vector<Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bool ready_only) {
-  std::vector<Peer*> out, unresponsive;
+  std::vector<Peer*> out;
   auto b = by_stage_.find({job, stage});
-  if (b == by_stage_.end() || (ready_only && b->second.ready.empty())) return out;
-  for (const auto& [seq, p] : b->second.peers) {   // in join order
-    if (ready_only && p->state != PeerState::kReady) continue;
-    (ready_only && now < p->unresponsive_until_s ? unresponsive : out).push_back(p);
+  if (b == by_stage_.end()) return out;
+  if (!ready_only) {
+    out.reserve(b->second.peers.size());
+    for (const auto& [seq, p] : b->second.peers) out.push_back(p);   // in join order
+    return out;
   }
-  return out.empty() ? unresponsive : out;
+  const std::vector<Peer*>& ready = b->second.ready;   // in join order
+  out.reserve(ready.size());
+  for (Peer* p : ready)
+    if (now >= p->unresponsive_until_s) out.push_back(p);
+  if (out.empty()) out = ready;   // every ready peer is unresponsive: a probe beats a paused stage
+  return out;
 }
 
 bool Registry::any_ready(uint64_t job, int stage) const {

@@ -45,7 +45,6 @@ struct Peer {
   uint64_t results = 0, failures = 0, integrity_failures = 0, timeouts = 0;
   int timeouts_in_row = 0;        // deadlines passed since its last answer
   double unresponsive_until_s = 0;
-  size_t ready_pos = 0;           // while ready: its place in its stage's list of ready peers
   double last_moved_s = -1e300;   // when the rebalancer last moved it
   int last_from = -1;             // the stage it was last moved from
   msg::Heartbeat heartbeat;       // its last heartbeat
@@ -78,10 +77,13 @@ class Registry {
   const std::map<PeerId, Peer>& all() const { return peers_; }
   std::map<PeerId, Peer>& all() { return peers_; }
 
-  // Any message from a peer: it is alive until now + the liveness window.
-  void touch(const PeerId& id, double now);
+  // Any message from a peer: it is alive until now + the liveness window. O(1): the expiry
+  // order is brought up to date when an entry comes due (expired), not on every message.
+  void touch(Peer& p, double now) {
+    if (now > p.last_seen_s) p.last_seen_s = now;
+  }
   // Peers whose window passed, most overdue first. They stay registered until removed.
-  std::vector<PeerId> expired(double now) const;
+  std::vector<PeerId> expired(double now);
 
   // An error from the peer: no new work until the ban ends (1 s, doubling per ban, up to 60 s).
   void ban(Peer& p, double now);
@@ -152,19 +154,23 @@ class Registry {
   uint64_t bans_total_ = 0;
   std::map<PeerId, Peer> peers_;
   std::unordered_map<PeerId, Peer*> by_id_;   // find() without walking peers_ (kept in add and remove)
-  // (expiry time, id) of every peer, ordered by time then id; the id is the Peer record's own
-  // (stable until the record is erased), so that a touch on every message copies no string.
+  // (expiry time as filed, peer) of every peer, ordered by time then id (pointers into peers_,
+  // stable until erased). An entry is filed at a time its peer's last_seen_s has since passed
+  // when messages came after it: expired() files such entries again as they come due.
   struct ByExpiry {
-    bool operator()(const std::pair<double, const PeerId*>& a, const std::pair<double, const PeerId*>& b) const {
-      return a.first != b.first ? a.first < b.first : *a.second < *b.second;
+    bool operator()(const std::pair<double, Peer*>& a, const std::pair<double, Peer*>& b) const {
+      return a.first != b.first ? a.first < b.first : a.second->id < b.second->id;
     }
   };
-  std::set<std::pair<double, const PeerId*>, ByExpiry> expiry_;
+  std::set<std::pair<double, Peer*>, ByExpiry> expiry_;
+  std::unordered_map<const Peer*, double> filed_;   // where each peer's entry is filed
   // (job, stage) -> its peers by join order (seq); every peer is in exactly one entry, (0, -1)
   // while it serves no job. Pointers into peers_ (a std::map: stable until erased).
   struct StageIndex {
     std::map<uint64_t, Peer*> peers;   // by seq
-    std::vector<Peer*> ready;          // of them those in PeerState::kReady, in no order (each knows its place: Peer::ready_pos)
+    // Of them those in PeerState::kReady, by seq: a hop reads them from one array (a peer
+    // becoming ready or not, rare next to hops, moves the rest along).
+    std::vector<Peer*> ready;
     size_t idle = 0;                   // of them in PeerState::kIdle
   };
   std::map<std::pair<uint64_t, int>, StageIndex> by_stage_;

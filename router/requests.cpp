@@ -1,6 +1,8 @@
 // requests.cpp: implements router/requests.h.
 #include "router/requests.h"
 
+#include <algorithm>
+
 namespace swarm::router {
 
 const char* req_kind_name(ReqKind k) {
@@ -36,24 +38,36 @@ std::optional<Pending> Requests::take(uint64_t id) {
   auto it = pending_.find(id);
   if (it == pending_.end()) return std::nullopt;
   Pending p = std::move(it->second);
-  deadlines_.erase({p.deadline_s, id});
   pending_.erase(it);
-  retired_[id] = p.peer;
-  if (retired_.size() > kRetiredKept) retired_.erase(retired_.begin());
+  if (retired_.empty()) retired_.resize(kRetiredKept);
+  Retired& r = retired_[id % kRetiredKept];
+  r.id = id;
+  r.peer = p.peer;
+  // Answered requests' deadlines stay in the heap until they come up; once they outnumber the
+  // live ones, the heap is rebuilt from the table (amortised O(1) per request).
+  if (deadlines_.size() > 2 * pending_.size() + 1024) {
+    std::vector<Deadline> live;
+    live.reserve(pending_.size());
+    for (const auto& [rid, pd] : pending_) live.emplace_back(pd.deadline_s, rid);
+    deadlines_ = decltype(deadlines_)(std::greater<Deadline>(), std::move(live));
+  }
   return p;
 }
 
 std::optional<PeerId> Requests::retired_to(uint64_t id) const {
-  auto it = retired_.find(id);
-  if (it == retired_.end()) return std::nullopt;
-  return it->second;
+  if (retired_.empty()) return std::nullopt;
+  const Retired& r = retired_[id % kRetiredKept];
+  if (r.id != id) return std::nullopt;
+  return r.peer;
 }
 
-std::vector<uint64_t> Requests::expired(double now) const {
+std::vector<uint64_t> Requests::expired(double now) {
   std::vector<uint64_t> out;
-  for (const auto& [t, id] : deadlines_) {
-    if (t >= now) break;
-    out.push_back(id);
+  while (!deadlines_.empty() && deadlines_.top().first < now) {
+    const auto [t, id] = deadlines_.top();
+    deadlines_.pop();
+    auto it = pending_.find(id);
+    if (it != pending_.end() && it->second.deadline_s == t) out.push_back(id);
   }
   return out;
 }
@@ -62,6 +76,7 @@ std::vector<uint64_t> Requests::of_peer(const PeerId& peer) const {
   std::vector<uint64_t> out;
   for (const auto& [id, p] : pending_)
     if (p.peer == peer) out.push_back(id);
+  std::sort(out.begin(), out.end());
   return out;
 }
 
@@ -69,6 +84,7 @@ std::vector<uint64_t> Requests::of_job(uint64_t job) const {
   std::vector<uint64_t> out;
   for (const auto& [id, p] : pending_)
     if (p.job == job) out.push_back(id);
+  std::sort(out.begin(), out.end());
   return out;
 }
 

@@ -1,16 +1,18 @@
 // requests.h: every request the router has sent and not yet had answered, with its deadline.
 //
 // Defines swarm::router::ReqKind, Pending and Requests: request ids from one counter, the
-// pending table by id, and the deadlines in time order, so a tick finds what expired without
-// scanning everything. A request leaves the table exactly once: answered (take), failed (take,
+// pending table by id (hashed), and the deadlines in a min-heap, so a tick finds what expired
+// without scanning everything; an answered request's entry is left in the heap and skipped
+// when it comes up (the heap is rebuilt from the table once stale entries outnumber it). A request leaves the table exactly once: answered (take), failed (take,
 // then the job re-sends its work), or abandoned with its job (drop_job).
 #pragma once
 
 #include <cstdint>
-#include <map>
+#include <functional>
 #include <optional>
-#include <set>
+#include <queue>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "router/registry.h"
@@ -58,23 +60,30 @@ class Requests {
   const Pending* find(uint64_t id) const;
   // Removes and returns a pending request.
   std::optional<Pending> take(uint64_t id);
-  // Ids whose deadline is before now, earliest first.
-  std::vector<uint64_t> expired(double now) const;
-  // Ids of the requests held by a peer, or for a job.
+  // Ids whose deadline is before now, earliest first (ties by id). They leave the deadline
+  // order: the caller takes each of them.
+  std::vector<uint64_t> expired(double now);
+  // Ids of the requests held by a peer, or for a job, in id order.
   std::vector<uint64_t> of_peer(const PeerId& peer) const;
   std::vector<uint64_t> of_job(uint64_t job) const;
   size_t size() const { return pending_.size(); }
-  const std::map<uint64_t, Pending>& all() const { return pending_; }
-  // Who a request that has left the table was sent to, for the newest kRetiredKept of them: a
-  // late reply from that peer is a duplicate, one from another peer a foreign reply.
+  const std::unordered_map<uint64_t, Pending>& all() const { return pending_; }   // in no order
+  // Who a request that has left the table was sent to, for the newest kRetiredKept ids: a late
+  // reply from that peer is a duplicate, one from another peer a foreign reply.
   std::optional<PeerId> retired_to(uint64_t id) const;
   static constexpr size_t kRetiredKept = 1 << 16;
 
  private:
   uint64_t next_ = 1;
-  std::map<uint64_t, Pending> pending_;
-  std::set<std::pair<double, uint64_t>> deadlines_;
-  std::map<uint64_t, PeerId> retired_;   // id -> peer, the newest kRetiredKept
+  std::unordered_map<uint64_t, Pending> pending_;
+  using Deadline = std::pair<double, uint64_t>;   // (deadline, id)
+  std::priority_queue<Deadline, std::vector<Deadline>, std::greater<Deadline>> deadlines_;
+  // Who each of the newest retired requests went to, at id % kRetiredKept (a ring, no allocation).
+  struct Retired {
+    uint64_t id = 0;
+    PeerId peer;
+  };
+  std::vector<Retired> retired_;
 };
 
 }  // namespace swarm::router

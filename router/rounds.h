@@ -36,6 +36,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "router/job.h"
@@ -73,7 +74,7 @@ class SampleCounts {
   void synced(const PeerId& peer, int fragment, int64_t sent = -1);
   void forget(const PeerId& peer);                 // it loaded another stage or a donor's state
  private:
-  std::map<PeerId, std::vector<int64_t>> counts_;
+  std::unordered_map<PeerId, std::vector<int64_t>> counts_;   // looked up on every trained hop
 };
 
 class Rounds {
