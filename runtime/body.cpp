@@ -2,6 +2,7 @@
 // checks, field writes, and the msgpack <-> JSON conversions.
 #include "runtime/body.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -24,12 +25,13 @@ msgpack::unpack_limit unpack_limits() {
                                limits::kMaxBinBytes, 0, kMaxDepth);
 }
 
-msgpack::object_handle unpack_bounded(const char* data, size_t size, const char* what) {
+// Unpacks into `z` (the objects live as long as it does).
+msgpack::object unpack_bounded(msgpack::zone& z, const char* data, size_t size, const char* what) {
   try {
     size_t off = 0;
-    msgpack::object_handle oh = msgpack::unpack(data, size, off, nullptr, nullptr, unpack_limits());
+    const msgpack::object o = msgpack::unpack(z, data, size, off, nullptr, nullptr, unpack_limits());
     if (off != size) fail_wire(WireErrc::kMalformed, std::string(what) + " has trailing bytes");
-    return oh;
+    return o;
   } catch (const msgpack::insufficient_bytes&) {
     fail_wire(WireErrc::kTruncated, std::string(what) + " is truncated");
   } catch (const msgpack::depth_size_overflow&) {
@@ -42,6 +44,10 @@ msgpack::object_handle unpack_bounded(const char* data, size_t size, const char*
     fail_wire(WireErrc::kMalformed, std::string(what) + " is not valid msgpack: " + e.what());
   }
 }
+
+// A zone's first chunk sized to the body (msgpack's default is 8 KiB, for every message): it
+// grows, chunk by chunk, when a body needs more.
+size_t zone_chunk(size_t body_bytes) { return std::min<size_t>(MSGPACK_ZONE_CHUNK_SIZE, 256 + 4 * body_bytes); }
 
 nlohmann::json to_json(const msgpack::object& o, int depth) {
   if (depth > kMaxDepth) fail_wire(WireErrc::kMalformed, "msgpack nesting deeper than " + std::to_string(kMaxDepth));
@@ -108,7 +114,8 @@ std::string num(double v) {
 // ---- reader ---------------------------------------------------------------------------------
 
 struct BodyReader::Impl {
-  msgpack::object_handle oh;
+  explicit Impl(size_t body_bytes) : zone(zone_chunk(body_bytes)) {}
+  msgpack::zone zone;
   const char* what;
   std::vector<std::pair<std::string_view, const msgpack::object*>> fields;
 
@@ -120,11 +127,10 @@ struct BodyReader::Impl {
   }
 };
 
-BodyReader::BodyReader(const std::string& bytes, const char* what) : impl_(std::make_unique<Impl>()) {
+BodyReader::BodyReader(const std::string& bytes, const char* what) : impl_(std::make_unique<Impl>(bytes.size())) {
   impl_->what = what;
   if (bytes.empty()) return;
-  impl_->oh = unpack_bounded(bytes.data(), bytes.size(), what);
-  const msgpack::object& o = impl_->oh.get();
+  const msgpack::object o = unpack_bounded(impl_->zone, bytes.data(), bytes.size(), what);
   if (o.type != msgpack::type::MAP) fail_wire(WireErrc::kMalformed, std::string(what) + ": the body is not a map");
   impl_->fields.reserve(o.via.map.size);
   for (uint32_t i = 0; i < o.via.map.size; ++i) {
@@ -301,7 +307,7 @@ int BodyReader::choice(const char* key, const std::vector<const char*>& names, N
 // ---- writer ---------------------------------------------------------------------------------
 
 struct BodyWriter::Impl {
-  msgpack::sbuffer buf;
+  msgpack::sbuffer buf{256};   // a message body is small (msgpack's default start is 8 KiB)
   msgpack::packer<msgpack::sbuffer> pk{buf};
   uint32_t count = 0;
   void key(const char* k) {
@@ -375,11 +381,23 @@ int BodyWriter::choice(const char* key, const std::vector<const char*>& names, N
 }
 
 std::string BodyWriter::take() {
-  msgpack::sbuffer head;
-  msgpack::packer<msgpack::sbuffer>(head).pack_map(impl_->count);
+  // The map's header (msgpack: fixmap, map 16 or map 32 by the count), then the fields.
+  const uint32_t n = impl_->count;
+  char head[5];
+  size_t h = 0;
+  if (n < 16) {
+    head[h++] = char(0x80 | n);
+  } else if (n < 65536) {
+    head[h++] = char(0xde);
+    head[h++] = char(n >> 8);
+    head[h++] = char(n);
+  } else {
+    head[h++] = char(0xdf);
+    for (int shift = 24; shift >= 0; shift -= 8) head[h++] = char(n >> shift);
+  }
   std::string out;
-  out.reserve(head.size() + impl_->buf.size());
-  out.append(head.data(), head.size());
+  out.reserve(h + impl_->buf.size());
+  out.append(head, h);
   out.append(impl_->buf.data(), impl_->buf.size());
   return out;
 }
@@ -393,8 +411,8 @@ std::string pack_json(const nlohmann::json& j) {
 
 nlohmann::json unpack_json(const std::string& bytes, const char* what) {
   if (bytes.empty()) return nlohmann::json::object();
-  msgpack::object_handle oh = unpack_bounded(bytes.data(), bytes.size(), what);
-  return to_json(oh.get(), 0);
+  msgpack::zone z(zone_chunk(bytes.size()));
+  return to_json(unpack_bounded(z, bytes.data(), bytes.size(), what), 0);
 }
 
 }  // namespace swarm::wire
