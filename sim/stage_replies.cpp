@@ -2,7 +2,8 @@
 #include "sim/stage_replies.h"
 
 #include <algorithm>
-#include <cstring>
+#include <cstdlib>
+#include <new>
 
 #include "runtime/diloco.h"
 
@@ -11,19 +12,24 @@ namespace swarm::sim {
 using wire::MsgType;
 
 wire::Tensor Payloads::zeros(wire::DType dtype, const std::vector<int64_t>& shape, const compression::CodecSpec& codec) {
-  std::string key = std::to_string(int(dtype)) + "|" + codec.name();
-  for (int64_t d : shape) key += "," + std::to_string(d);
-  auto it = cache_.find(key);
-  if (it == cache_.end()) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    const size_t bytes = dtype == wire::DType::kF32 ? compression::encoded_bytes(codec, n) : size_t(n) * wire::dtype_bytes(dtype);
-    wire::Tensor t = wire::make_tensor(dtype, shape, codec, bytes);
-    if (bytes) std::memset(t.data.data(), 0, bytes);
-    wire::seal(t);
-    it = cache_.emplace(std::move(key), std::move(t)).first;
+  for (wire::Tensor& t : cache_)   // the hops' few payloads came first
+    if (t.desc.dtype == dtype && t.desc.shape == shape && t.desc.codec == codec) return wire::share(t);
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  const size_t bytes = dtype == wire::DType::kF32 ? compression::encoded_bytes(codec, n) : size_t(n) * wire::dtype_bytes(dtype);
+  wire::Tensor t;
+  t.desc.dtype = dtype;
+  t.desc.shape = shape;
+  t.desc.codec = codec;
+  t.desc.nbytes = bytes;
+  if (bytes) {
+    void* zero = std::calloc(1, bytes);
+    if (!zero) throw std::bad_alloc();
+    t.data = zmq::message_t(zero, bytes, [](void* d, void*) { std::free(d); }, nullptr);
   }
-  return wire::share(it->second);
+  wire::seal(t);
+  cache_.push_back(std::move(t));
+  return wire::share(cache_.back());
 }
 
 double work_units(MsgType t, bool cached) {

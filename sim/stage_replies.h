@@ -13,10 +13,10 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <optional>
-#include <set>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "runtime/job_spec.h"
@@ -25,14 +25,16 @@
 namespace swarm::sim {
 
 // Sealed tensors of zeros, one per (dtype, shape, codec): a reply shares the cached payload
-// (wire::share), so a thousand peers answering [B, T, d_model] activations hold one buffer.
+// (wire::share), so a thousand peers answering [B, T, d_model] activations hold one buffer. The
+// bytes come from calloc and are never written: a large payload (a stage's state, a round's
+// delta) is the kernel's zero pages until something writes it, which nothing here does.
 class Payloads {
  public:
   wire::Tensor zeros(wire::DType dtype, const std::vector<int64_t>& shape, const compression::CodecSpec& codec);
   size_t size() const { return cache_.size(); }
 
  private:
-  std::map<std::string, wire::Tensor> cache_;
+  std::vector<wire::Tensor> cache_;   // a handful: looked up by description, oldest first
 };
 
 // What a stage server knows between requests.
@@ -43,15 +45,15 @@ struct StageBook {
   int stage = -1;
   compression::CodecSpec act_codec, grad_codec;   // what its hops answer in (bound to the model for subspace)
   // Peer to peer: the tensors of the replies it was asked to hold, by request id.
-  std::map<uint64_t, std::vector<wire::Tensor>> held;
+  std::unordered_map<uint64_t, std::vector<wire::Tensor>> held;
   uint64_t held_bytes = 0;       // what `held` keeps [bytes]
   uint64_t released = 0;         // holdings dropped on RELEASE
   // Copies of what it fetched (by key), so a BACKWARD that comes back to the peer of the forward
   // fetches nothing (stages/holdings.h keeps them the same way); the newest cache_entries.
-  std::set<uint64_t> copies;
+  std::unordered_set<uint64_t> copies;
   std::vector<uint64_t> copy_order;
   // The affinity cache: microbatches whose forward graph it keeps (the newest cache_entries).
-  std::set<uint64_t> graphs;
+  std::unordered_set<uint64_t> graphs;
   std::vector<uint64_t> graph_order;
   size_t cache_entries = 64;
 };
