@@ -10,10 +10,14 @@
 #include <chrono>
 #include <functional>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
 #include <fstream>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -27,9 +31,27 @@ using nlohmann::json;
 const std::string kBuild = SWARM_BUILD_DIR;
 const std::string kSource = SWARM_SOURCE_DIR;
 
+// The folders temp_dir made, removed when the test program ends unless a test failed (then
+// they stay for a look: failure messages name the ones that matter).
+inline std::vector<std::string>& made_dirs() {
+  static std::vector<std::string> dirs;
+  return dirs;
+}
+inline void remove_made_dirs() {
+  if (::testing::UnitTest::GetInstance()->failed_test_count() > 0) return;
+  for (const std::string& d : made_dirs()) {
+    std::error_code ec;
+    std::filesystem::remove_all(d, ec);
+  }
+}
 inline std::string temp_dir() {
+  // The list first, then the hook: at exit the hook runs before the list is destroyed.
+  static const bool hooked = (made_dirs(), std::atexit(remove_made_dirs) == 0);
+  (void)hooked;
   char tmpl[] = "/tmp/swarm-test-XXXXXX";
-  return mkdtemp(tmpl);
+  if (!mkdtemp(tmpl)) throw std::runtime_error("cannot make a folder under /tmp");
+  made_dirs().push_back(tmpl);
+  return tmpl;
 }
 
 // A few kilobytes of English-like text with enough structure for a tiny model to learn fast.

@@ -89,7 +89,7 @@ TEST(Diloco, HOneWithInnerSgdIsDataParallelSgd) {
   for (size_t i = 0; i < losses.size(); ++i) {
     const double r = ref["losses"][i].get<double>();
     EXPECT_NEAR(losses[i], r, 1e-5 * std::abs(r)) << "step " << i + 1 << "; microbatches " << st["microbatches"].dump() << "; outliers "
-                                                 << st["outliers"].dump() << "; hashes " << st["state_hashes"].dump();
+                                                 << st["outliers"].dump() << "; hashes " << st["state_hashes"].dump() << "; logs in " << dir;
   }
 }
 
