@@ -153,6 +153,8 @@ Message json_message(MsgType t, uint64_t id, uint32_t attempt, const nlohmann::j
 nlohmann::json body_json(const Message& m);
 
 uint64_t checksum(const void* data, size_t n);
+// checksum() of n zero bytes, without n bytes to read (for payloads that are all zeros).
+uint64_t zeros_checksum(size_t n);
 
 // A tensor frame for `n` bytes to be filled by the caller; call `seal` after filling.
 Tensor make_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec,

@@ -27,7 +27,7 @@ wire::Tensor Payloads::zeros(wire::DType dtype, const std::vector<int64_t>& shap
     if (!zero) throw std::bad_alloc();
     t.data = zmq::message_t(zero, bytes, [](void* d, void*) { std::free(d); }, nullptr);
   }
-  wire::seal(t);
+  t.desc.checksum = wire::zeros_checksum(bytes);   // as seal() would find, without reading the pages
   cache_.push_back(std::move(t));
   return wire::share(cache_.back());
 }

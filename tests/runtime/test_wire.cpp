@@ -59,6 +59,15 @@ TEST(Wire, RoundTripWithTensors) {
   EXPECT_EQ(static_cast<const float*>(d.tensors[0].data.data())[5], 6.f);
 }
 
+// The checksum of a payload of zeros, worked out without its bytes, is what sealing it gives.
+TEST(Wire, ZerosChecksumIsTheChecksumOfZeros) {
+  for (size_t n : {size_t(0), size_t(1), size_t(4096), size_t(1) << 16, (size_t(1) << 16) + 3, size_t(5) << 18}) {
+    const std::vector<char> zeros(n, 0);
+    EXPECT_EQ(wire::zeros_checksum(n), wire::checksum(zeros.data(), n)) << n << " bytes";
+  }
+  EXPECT_NE(wire::zeros_checksum(8), wire::zeros_checksum(16));
+}
+
 TEST(Wire, Bf16TensorSizeMustMatchCodec) {
   auto bf16 = compression::parse_codec("bf16");
   Tensor t = make_tensor(DType::kF32, {4}, bf16, 8);
