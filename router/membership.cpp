@@ -83,6 +83,13 @@ void TrainingJob::on_loaded(Ctx& c, Peer& p, wire::Message& m) {
 // learned yet) its initial weights, the same on every peer.
 void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
   c.peers.set_state(p, PeerState::kSyncing);
+  // A round is open: a donor's state now predates its apply, and the joiner, not a member, would
+  // come out one round behind the group (and win the next vote's tie as the older peer). It syncs
+  // once the round is applied (advance).
+  if (rounds_.open()) {
+    sync_after_round_[p.id] = donor_id;
+    return;
+  }
   const auto& snap = dur_.snapshot(p.stage);
   if (snap.valid && snap.at_barrier && snap.step == steps_done_) return restore_from_snapshot(c, p);
   Peer* donor = nullptr;
@@ -100,6 +107,7 @@ void TrainingJob::start_sync(Ctx& c, Peer& p, const PeerId& donor_id) {
     pd.stage = p.stage;
     pd.peer = donor->id;
     pd.target = p.id;
+    pd.round = rounds_.count();
     pd.deadline_s = c.now + c.deadline_for(*donor, spec_.timeouts.backward_s);
     pd.reply_bytes = uint64_t(body.full ? 5 : 2) * 4 * uint64_t(stage_params_[size_t(p.stage)]);
     // Peer to peer the donor keeps its state and the joiner fetches it.
@@ -180,6 +188,7 @@ void TrainingJob::on_state_reply(Ctx& c, Peer& donor, const Pending& pd, wire::M
   lp.peer = t->id;
   lp.target = donor.hello.name;
   lp.donor = donor.id;
+  lp.round = pd.round;
   if (!m.refs.empty()) {
     lp.holder = donor.id;  // released once the joiner has loaded it, or failed to
     lp.key = pd.id;

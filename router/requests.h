@@ -48,6 +48,7 @@ struct Pending {
   bool hold = false;       // the reply's tensors stay at the peer (peer to peer)
   PeerId holder;           // kStateLoad: the donor holding the state it references (its request: `key`)
   PeerId donor;            // kStateLoad: the peer whose state it carries ("": a snapshot)
+  uint64_t round = 0;      // kStateRequest, kStateLoad from a donor: the job's round count when its state was asked for
 };
 
 class Requests {

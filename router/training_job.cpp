@@ -166,6 +166,12 @@ void TrainingJob::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m)
       if (!pd.holder.empty()) c.release(pd.holder, pd.key);
       const msg::RoundDone r = msg::read<msg::RoundDone>(m);
       if (p.state != PeerState::kSyncing) return;
+      if (!pd.donor.empty() && (rounds_.open() || rounds_.count() != pd.round)) {
+        // A round began after the donor's state was taken: that state missed its apply.
+        c.info("peer " + p.hello.name + " synced stage " + std::to_string(p.stage) + " from " + pd.target +
+               " before round " + std::to_string(rounds_.count()) + " was applied; syncing it again");
+        return start_sync(c, p);
+      }
       c.peers.set_state(p, PeerState::kReady);
       rounds_.samples().forget(p.id);
       rounds_.note_hash(p, r.hash);
@@ -403,6 +409,12 @@ void TrainingJob::advance(Ctx& c) {
   if (phase_ == Phase::kTrain && dur_.collecting()) dur_.advance(c, nullptr, completed_, rounds_.count(), nullptr);
   for (const auto& [peer, donor] : rounds_.take_resyncs())
     if (Peer* p = c.peers.find(peer)) start_sync(c, *p, donor);
+  if (!rounds_.open() && !sync_after_round_.empty()) {
+    const std::map<PeerId, PeerId> waiting = std::move(sync_after_round_);
+    sync_after_round_.clear();
+    for (const auto& [peer, donor] : waiting)
+      if (Peer* p = c.peers.find(peer); p && p->job_id == id_ && p->state == PeerState::kSyncing) start_sync(c, *p, donor);
+  }
   for (const auto& [peer, what] : rounds_.take_blames()) integrity_failure(c, peer, what);
 
   switch (phase_) {

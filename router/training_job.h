@@ -140,6 +140,9 @@ class TrainingJob : public Job {
   int eval_count_ = 0;
   uint64_t eval_next_ = 0;
   std::set<PeerId> step_waiting_;
+  // Loaded peers whose sync waits for the open round to be applied (a donor's state taken before
+  // the apply would miss it), with the donor asked for (or ""), synced in id order.
+  std::map<PeerId, PeerId> sync_after_round_;
   bool step_overflow_ = false;    // a backward of the current step overflowed: every stage skips it
   uint64_t skipped_steps_ = 0;
   nlohmann::json quarantined_ = nlohmann::json::array();

@@ -331,6 +331,33 @@ TEST(Core, TheFirstStepStartsAsSoonAsEveryStageHasStartPeers) {
   ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));   // far sooner than the wait
 }
 
+// A peer that loads its stage while a round is open syncs once the round is applied: a donor's
+// state taken before the apply would leave it one round behind the group, and as the older peer
+// it would win the next vote's tie and spread the stale state (a real swarm's failure under load).
+TEST(Core, APeerLoadedDuringARoundSyncsOnceTheRoundIsApplied) {
+  FakeSwarm f;
+  two_by_two(f);
+  // a1 goes silent at its first ROUND_BEGIN (alive, heartbeating): round 1 stays open until a1's
+  // delta is given up on.
+  f.peers.at("p-a1").silent_from = MsgType::kRoundBegin;
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 8));
+  ASSERT_TRUE(f.run(20, [&] { return received(f, "p-a1", MsgType::kRoundBegin) > 0; }));
+  const PeerId joiner = f.join("a2", 0);
+  ASSERT_TRUE(f.run(1, [&] { return received(f, joiner, MsgType::kLoadStage) > 0; }));
+  f.run(0.3);   // loaded, and waiting for the round
+  ASSERT_EQ(received(f, "p-a0", MsgType::kRoundApply), 0u);   // round 1 is still open
+  EXPECT_EQ(received(f, joiner, MsgType::kStateLoad), 0u);
+  f.peers.at("p-a1").silent = false;
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  // Synced once, after the round: a state taken during it would have been synced again.
+  EXPECT_EQ(received(f, joiner, MsgType::kStateLoad), 1u);
+  EXPECT_TRUE(f.logged("peer a2 synced stage 0"));
+  EXPECT_FALSE(f.logged("syncing it again"));
+  const json st = f.status(job);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_EQ(st["rounds"], 4);
+}
+
 TEST(Core, TheRebalancerWaitsForAnOpenRoundThenMoves) {
   FakeSwarm f;
   // Stage 0 has three peers, stage 1 one emulated slow one: the bottleneck.
