@@ -2,7 +2,8 @@
 //
 // Defines swarm::router::Peer (one stage server as the router sees it) and Registry: peers by
 // routing id, liveness kept in expiry order (any message from a peer pushes its expiry to
-// now + heartbeat_ms * liveness; `expired(now)` pops the dead in order, O(log n) per event),
+// now + heartbeat_ms * liveness, O(1); `expired(now)` refiles entries that came due for peers
+// heard from since and lists the dead in order, O(log n) per entry it touches),
 // bans after errors (timing::backoff_s: 1 s doubling to 60 s), unresponsiveness after deadlines
 // passed in a row (no new work for a growing time, then a probe), integrity failures towards
 // quarantine, and the stage membership queries the jobs route by (an index by job and stage, so
