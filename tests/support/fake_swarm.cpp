@@ -3,19 +3,34 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <stdexcept>
 
 
 namespace swarm::router::testing {
 
 namespace {
 
+// The folder make_data_file made, removed when the test program ends.
+std::string& data_dir() {
+  static std::string dir;
+  return dir;
+}
+void remove_data_dir() {
+  std::error_code ec;
+  if (!data_dir().empty()) std::filesystem::remove_all(data_dir(), ec);
+}
+
 // A few KB of text: the data every fake job trains on (the core samples microbatches from it).
 std::string make_data_file() {
   char tmpl[] = "/tmp/swarm-core-test-XXXXXX";
-  const char* dir = mkdtemp(tmpl);
-  const std::string path = std::string(dir ? dir : "/tmp") + "/text.txt";
+  if (!mkdtemp(tmpl)) throw std::runtime_error("cannot make a folder under /tmp");
+  data_dir() = tmpl;
+  std::atexit(remove_data_dir);   // registered after data_dir's string: it runs first
+  const std::string path = data_dir() + "/text.txt";
   std::ofstream f(path);
   for (int i = 0; i < 200; ++i) f << "The quick brown fox jumps over the lazy dog; a swarm trains one model across many machines. ";
   return path;
