@@ -33,8 +33,8 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
   p.joined_s = p.last_seen_s = now;
   auto [it, ok] = peers_.emplace(id, std::move(p));
   Peer& added = it->second;
-  expiry_.emplace(now + window_s_, &added);
-  filed_[&added] = now + window_s_;
+  added.expiry_filed_s = now + window_s_;
+  expiry_.emplace(added.expiry_filed_s, &added);
   by_id_[id] = &added;
   index(added);
   if (!added.hello.listen.empty()) by_listen_.emplace(added.hello.listen, &added);
@@ -44,9 +44,7 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
 void Registry::remove(const PeerId& id) {
   auto it = peers_.find(id);
   if (it == peers_.end()) return;
-  const auto f = filed_.find(&it->second);
-  expiry_.erase({f->second, &it->second});
-  filed_.erase(f);
+  expiry_.erase({it->second.expiry_filed_s, &it->second});
   unindex(it->second);
   for (auto [l, end] = by_listen_.equal_range(it->second.hello.listen); l != end; ++l)
     if (l->second == &it->second) {
@@ -166,7 +164,7 @@ std::vector<PeerId> Registry::expired(double now) {
   }
   for (auto& node : refile) {
     Peer* p = node.value().second;
-    node.value().first = filed_[p] = p->last_seen_s + window_s_;
+    node.value().first = p->expiry_filed_s = p->last_seen_s + window_s_;
     expiry_.insert(std::move(node));
   }
   std::vector<PeerId> out;

@@ -38,6 +38,7 @@ struct Peer {
   uint64_t job_id = 0;
   PeerState state = PeerState::kIdle;   // change with Registry::set_state
   double joined_s = 0, last_seen_s = 0;
+  double expiry_filed_s = 0;      // the Registry's: the time its liveness entry is filed under
   double ms_per_unit = 0;         // timing::ema of compute ms per work unit, from its results; 0: not measured
   double turnaround_ms = 0;       // timing::ema of reply latency per unit (its queue and transfers included)
   double queued_units = 0;        // work sent to it and not answered yet
@@ -164,7 +165,6 @@ class Registry {
     }
   };
   std::set<std::pair<double, Peer*>, ByExpiry> expiry_;
-  std::unordered_map<const Peer*, double> filed_;   // where each peer's entry is filed
   // (job, stage) -> its peers by join order (seq); every peer is in exactly one entry, (0, -1)
   // while it serves no job. Pointers into peers_ (a std::map: stable until erased).
   struct StageIndex {

@@ -17,10 +17,7 @@ wire::Tensor Payloads::zeros(wire::DType dtype, const std::vector<int64_t>& shap
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   const size_t bytes = dtype == wire::DType::kF32 ? compression::encoded_bytes(codec, n) : size_t(n) * wire::dtype_bytes(dtype);
-  wire::Tensor t;
-  t.desc.dtype = dtype;
-  t.desc.shape = shape;
-  t.desc.codec = codec;
+  wire::Tensor t = wire::make_tensor(dtype, shape, codec, 0);
   t.desc.nbytes = bytes;
   if (bytes) {
     void* zero = std::calloc(1, bytes);
