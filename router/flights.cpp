@@ -221,9 +221,15 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   body.stage = f.stage;
   if (count_backward(f)) body.closes_step = true;
   wire::Message m = msg::make(msg_type(f.kind), body, 0, f.attempts);
+  m.hold = cfg_.p2p && p.can_hold();
   c.attach(m, f.inputs[s], 0);
+  // A backward on the peer of the forward finds its input there (it fetched it, or it was pushed).
+  if (!(f.kind == HopKind::kBackward && f.fwd_peer[s] == p.id)) push(c, f.inputs[s], p, m);
   if (!cfg_.echo && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last))) m.tensors.push_back(wire::share(f.targets));
-  if (f.kind == HopKind::kBackward) c.attach(m, f.grads[s], 1);
+  if (f.kind == HopKind::kBackward) {
+    c.attach(m, f.grads[s], 1);
+    push(c, f.grads[s], p, m);
+  }
   if (!f.eval && !cfg_.echo) {
     // Bytes through the router count here; bytes fetched peer to peer when the receiver reports them.
     if (f.stage > 0 && f.inputs[s].bytes) {
@@ -235,7 +241,6 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
       bytes_relayed += f.grads[s].desc().wire_bytes();
     }
   }
-  m.hold = cfg_.p2p && p.can_hold();
   // Deadline: a generous multiple of what this peer should need, within the job's bounds.
   const double per = p.ms_per_unit > 0 ? p.deadline_ms_per_unit() : 1000.0;
   const bool long_hop = f.kind == HopKind::kBackward || f.kind == HopKind::kForwardLoss;
@@ -248,10 +253,41 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   pd.units = my_units;
   pd.deadline_s = c.now + timing::deadline_s((p.queued_units + my_units) * per / 1000.0, long_hop ? cfg_.backward_cap_s : cfg_.forward_cap_s);
   pd.hold = m.hold;
+  for (const wire::TensorRef& r : m.refs)
+    if (r.pushed) pd.pushed |= uint8_t(1u << r.slot);
   const char* label = kind_label(f);
   f.req_id = c.request(pd, std::move(m));
   f.attempts++;
   hop_metrics.sent(f.req_id, f.stage, label);
+}
+
+void Flights::push(Ctx& c, const Slot& s, Peer& to, wire::Message& m) {
+  if (!s.held || !cfg_.p2p || !to.can_hold() || to.no_push || s.held->holder == to.id) return;
+  const Peer* holder = c.peers.find(s.held->holder);
+  if (!holder) return;
+  // The receiver would otherwise learn of the tensor only now and ask its holder for it: a
+  // crossing of both links more before the bytes start. A push the receiver does not see in
+  // time is fetched as before (docs/protocol.md, "Pushes").
+  msg::Push body;
+  body.key = s.held->key;
+  body.part = int32_t(s.held->part);
+  body.to = to.hello.listen;
+  body.to_key = to.key;
+  c.send(holder->id, msg::make(body));
+  m.refs.back().pushed = true;
+  to.pushes_to++;
+  pushes++;
+}
+
+void Flights::late_pushes(Ctx& c, Peer& to, uint64_t n) {
+  to.pushes_late += n;
+  // Most pushes to it do not arrive: its address does not reach it from the holders (a NAT,
+  // a wrong --advertise). It fetches instead, without first waiting for pushes.
+  if (!to.no_push && to.pushes_late >= 3 && 2 * to.pushes_late >= to.pushes_to) {
+    to.no_push = true;
+    c.warn("peer " + to.hello.name + " is no longer pushed to: " + std::to_string(to.pushes_late) + " of " + std::to_string(to.pushes_to) +
+           " tensors pushed to " + to.hello.listen + " did not arrive in time; it fetches them instead");
+  }
 }
 
 HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
@@ -322,6 +358,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   f.attempts = 0;
   f.not_before_s = 0;
   if (r.codec_us && r.codec_us->size() == 4) out.codec_us = *r.codec_us;
+  if (r.push_late && *r.push_late > 0) late_pushes(c, p, uint64_t(*r.push_late));
   out.overflow = r.overflow.value_or(false);
   if (r.fetched && !f.eval && !cfg_.echo) {
     // What the receiver fetched peer to peer, at most the tensor's size (its word is only a figure).
@@ -441,6 +478,8 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
   f.req_id = 0;
   resent_hop(c, f, pd, false, why);
   fetch_failures++;
+  // A pushed tensor it had to fetch did not come by push either.
+  if (Peer* to = c.peers.find(pd.peer); to && slot < 8 && (pd.pushed >> slot) & 1u) late_pushes(c, *to, 1);
   HopFailure out;
   Peer* holder = c.peers.find(sl->held->holder);
   if (!holder || not_held) {

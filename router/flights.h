@@ -135,6 +135,7 @@ class Flights {
   // receivers report); bytes_relayed: the part that went through the router.
   uint64_t bytes_act = 0, bytes_grad = 0, bytes_relayed = 0, resent = 0, rejected = 0, cached = 0, recomputed = 0;
   uint64_t fetch_failures = 0, uploads = 0, remade = 0;
+  uint64_t pushes = 0;   // held tensors their holder was asked to push to a hop's receiver (PUSH)
   // Hops by stage and kind, and their latency (router/metrics.h).
   HopMetrics hop_metrics;
   // A result to request `request` that was no longer pending.
@@ -151,6 +152,11 @@ class Flights {
 
  private:
   void send_hop(Ctx& c, uint64_t key, Flight& f);
+  // The hop's last reference (to `s`'s holder): the holder is asked to push it to `to` now (PUSH),
+  // and the reference says so. Not when `to` holds it, or fetched it for its own forward.
+  void push(Ctx& c, const Slot& s, Peer& to, wire::Message& m);
+  // `to` reported n pushes late: past a few, and most of them, it is no longer pushed to.
+  void late_pushes(Ctx& c, Peer& to, uint64_t n);
   std::vector<Peer*> candidates(Ctx& c, const Flight& f);
   // Goes back one stage: the tensor `bad` of the current hop is remade by its producer's stage.
   void go_back(Ctx& c, Flight& f, int bad);

@@ -54,6 +54,11 @@ struct Peer {
   // one, or one that receivers could not reach, is relayed: its tensors go through the router.
   bool relayed = false;
   std::set<PeerId> unreachable_from;   // receivers that could not fetch from it
+  // Pushes to it (PUSH to the holders of its hops' inputs), and those it reported late (fetched
+  // instead): a peer whose pushes do not arrive (its listen address does not reach it) is no
+  // longer pushed to, and fetches what it needs.
+  uint64_t pushes_to = 0, pushes_late = 0;
+  bool no_push = false;
   bool can_hold() const { return !hello.listen.empty() && !relayed; }
   bool pinned() const { return hello.stage >= 0; }
   // Its measured ms per unit, else what its heartbeat says, else 0.

@@ -46,6 +46,7 @@ struct Pending {
   double sent_s = 0, deadline_s = 0;   // Ctx::request extends the deadline for the bytes to move
   uint64_t reply_bytes = 0;   // the most its reply may carry (a stage's state, a round's delta)
   bool hold = false;       // the reply's tensors stay at the peer (peer to peer)
+  uint8_t pushed = 0;      // hops: the request tensors (bit per slot) whose holder was told to push them
   PeerId holder;           // kStateLoad: the donor holding the state it references (its request: `key`)
   PeerId donor;            // kStateLoad: the peer whose state it carries ("": a snapshot)
   uint64_t round = 0;      // kStateRequest, kStateLoad from a donor: the job's round count when its state was asked for

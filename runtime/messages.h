@@ -227,6 +227,7 @@ struct Result {
   std::optional<double> loss;                 // FORWARD_LOSS, last-stage EVAL: mean cross-entropy
   std::optional<double> loss_scale;           // STEP: the peer's loss scale after it (with loss scaling)
   uint64_t mb = 0;
+  std::optional<int64_t> push_late;           // of the request's pushed references, those fetched after all (not there in time)
   std::optional<bool> overflow;               // a backward's gradients overflowed (with loss scaling)
   std::optional<int64_t> samples;
   std::optional<bool> skipped;                // STEP: the step was skipped
@@ -242,6 +243,7 @@ struct Result {
     v.field("loss_scale", loss_scale, kOptional, 0.0, 1e30);
     v.field("mb", mb, kOptional);
     v.field("overflow", overflow, kOptional);
+    v.field("push_late", push_late, kOptional, int64_t(0), int64_t(4));
     v.field("samples", samples, kOptional, int64_t(0), int64_t(kMaxCount));
     v.field("skipped", skipped, kOptional);
     v.field("stage", stage, kOptional, -1, kMaxStageIndex);
@@ -476,6 +478,23 @@ struct Fetch {
   void visit(V& v) {
     v.field("key", key, kRequired);
     v.field("part", part, kOptional, 0, int32_t(limits::kMaxFrames));
+  }
+};
+
+// PUSH (router -> holder): send part `part` of request `key`'s reply to the peer listening at
+// `to` (its public key `to_key` in CURVE swarms) now, as a FETCHED nobody asked for; the router
+// names it in the hop it sends there (TensorRef.pushed). A notice: no reply.
+struct Push {
+  static constexpr MsgType kType = MsgType::kPush;
+  uint64_t key = 0;
+  int32_t part = 0;
+  std::string to, to_key;
+  template <class V>
+  void visit(V& v) {
+    v.field("key", key, kRequired);
+    v.field("part", part, kOptional, 0, int32_t(limits::kMaxFrames));
+    v.field("to", to, kRequired, wire::kMaxAddressBytes);
+    v.field("to_key", to_key, kOptional, size_t(40));
   }
 };
 

@@ -46,6 +46,11 @@ inline double fetch_window_s(double own_timeout_s, uint32_t within_ms) {
   return within_ms ? std::min(own_timeout_s, within_ms / 1000.0) : own_timeout_s;
 }
 
+// How long a receiver waits for a pushed reference of `bytes` before it fetches it (PUSH: its
+// holder sent it when the router sent the request, so it is due about when the request is): a
+// second plus its bytes at 10 MB/s, within half the request's window.
+inline double push_wait_s(uint64_t bytes, double window_s) { return std::min(window_s / 2, 1.0 + double(bytes) / 10e6); }
+
 // The exponential moving average of a peer's ms per work unit: weight 0.1 on each new sample
 // (SWARM's choice: a few slow hops do not swing routing), the first sample taken as it is.
 constexpr double kEmaWeight = 0.1;

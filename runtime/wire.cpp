@@ -145,6 +145,10 @@ std::vector<TensorRef> parse_refs(const msgpack::object& a, size_t ntensors, siz
       if (fk->type != msgpack::type::STR || fk->via.str.size != 40) fail(WireErrc::kMalformed, ctx + ": from_key must be a public key (40 characters of Z85)");
       ref.from_key.assign(fk->via.str.ptr, fk->via.str.size);
     }
+    if (const msgpack::object* pu = map_get(r, "pushed")) {
+      if (pu->type != msgpack::type::BOOLEAN) fail(WireErrc::kMalformed, ctx + ": pushed must be a boolean");
+      ref.pushed = pu->via.boolean;
+    }
     ref.key = get_u64(r, "key", ctx);
     const uint64_t part = get_u64(r, "part", ctx), slot = get_u64(r, "slot", ctx);
     if (part >= limits::kMaxFrames) fail(WireErrc::kMalformed, ctx + ": part out of range");
@@ -190,7 +194,7 @@ void pack_desc(msgpack::packer<msgpack::sbuffer>& pk, const TensorDesc& t) {
 void pack_refs(msgpack::packer<msgpack::sbuffer>& pk, const std::vector<TensorRef>& refs) {
   pk.pack_array(uint32_t(refs.size()));
   for (const TensorRef& r : refs) {
-    pk.pack_map(r.from_key.empty() ? 5 : 6);
+    pk.pack_map(5 + uint32_t(!r.from_key.empty()) + uint32_t(r.pushed));
     pack_str(pk, "desc");
     pack_desc(pk, r.desc);
     pack_str(pk, "from");
@@ -203,6 +207,10 @@ void pack_refs(msgpack::packer<msgpack::sbuffer>& pk, const std::vector<TensorRe
     pk.pack(r.key);
     pack_str(pk, "part");
     pk.pack(r.part);
+    if (r.pushed) {
+      pack_str(pk, "pushed");
+      pk.pack(true);
+    }
     pack_str(pk, "slot");
     pk.pack(r.slot);
   }
@@ -251,6 +259,7 @@ const char* msg_type_name(MsgType t) {
     case MsgType::kFetched: return "FETCHED";
     case MsgType::kRelease: return "RELEASE";
     case MsgType::kPeerKeys: return "PEER_KEYS";
+    case MsgType::kPush: return "PUSH";
     case MsgType::kSubmit: return "SUBMIT";
     case MsgType::kSubmitted: return "SUBMITTED";
     case MsgType::kStatus: return "STATUS";

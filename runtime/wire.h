@@ -63,6 +63,7 @@ enum class MsgType : int {
   kFetched = 41,
   kRelease = 42,    // router -> holder {keys}: the replies of these requests are no longer needed
   kPeerKeys = 43,   // router -> stage {add, remove}: the public keys other stage servers fetch with (CURVE)
+  kPush = 44,       // router -> holder {key, part, to, to_key?}: send that tensor to `to` now, as an unasked FETCHED
   // Client (CLI) -> router.
   kSubmit = 50,     // {spec, resume?} or {bench_transport}; reply kSubmitted {job_id} or kError
   kSubmitted = 51,
@@ -111,6 +112,7 @@ struct TensorRef {
   uint64_t key = 0;    // the id of the request whose reply made it
   uint32_t part = 0;   // its index among that reply's tensors
   TensorDesc desc;     // what the fetched tensor must be, checksum included
+  bool pushed = false; // the router asked the holder to push it here: wait a while for it before fetching
 };
 constexpr size_t kMaxAddressBytes = 255;
 

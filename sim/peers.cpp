@@ -149,16 +149,27 @@ void World::peer_receives(int i, wire::Message m) {
   // As PeerLink waits: --fetch-timeout-s, or less where the request asks.
   const double window = timing::fetch_window_s(kFetchTimeoutS, s.m.fetch_within_ms);
   for (const wire::TensorRef* ref : to_fetch(p.book, s.m)) {
-    fetches++;
     auto it = by_listen.find(ref->from);
     SimPeer* h = it == by_listen.end() ? nullptr : &peers[size_t(it->second)];
     double done = 0;
     std::optional<FetchFailure> why;
+    if (auto in = p.book.incoming.find(ref->key); in != p.book.incoming.end()) {
+      // Pushed here: it arrives (or has) without being asked for.
+      pushes_used++;
+      s.fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
+      keep_copy(p.book, ref->key);
+      whole = std::max(whole, in->second);
+      p.book.incoming.erase(in);
+      continue;
+    }
+    // A push that is not coming is waited for a while (PeerLink's push_wait_s), then fetched.
+    fetches++;
+    const double from = ref->pushed ? now + timing::push_wait_s(ref->desc.wire_bytes(), window) : now;
     if (!h || !h->alive) {
       why = FetchFailure::kUnreachable;   // nothing answers at that address: the fetch times out
       done = now + window;
     } else {
-      const double asked = transfer(p.host, h->host, kSmallMessage, now);
+      const double asked = transfer(p.host, h->host, kSmallMessage, from);
       const double answers = std::max(asked, h->stall_until);   // a stopped holder answers when it runs again
       if (answers - now > window) {
         why = FetchFailure::kUnreachable;
@@ -183,6 +194,27 @@ void World::peer_receives(int i, wire::Message m) {
     }
   }
   schedule(s.failure ? failed_at : whole, Ev::kWhole, i, slot);
+}
+
+void World::push(int i, const wire::Message& m) {
+  SimPeer& h = peers[size_t(i)];
+  const msg::Push pu = msg::read<msg::Push>(m);
+  const double asked = transfer(router_host, h.host, message_bytes(m), now);
+  auto held = h.book.held.find(pu.key);
+  auto to = by_listen.find(pu.to);
+  if (held == h.book.held.end() || size_t(pu.part) >= held->second.size() || to == by_listen.end()) return;   // the receiver fetches, and hears not_held
+  SimPeer& r = peers[size_t(to->second)];
+  if (!r.alive) return;
+  pushes++;
+  const double sent = std::max(asked, h.stall_until);   // a stopped holder pushes when it runs again
+  StageBook& b = r.book;
+  if (b.incoming.emplace(pu.key, transfer(h.host, r.host, held->second[size_t(pu.part)].desc.nbytes, sent)).second) {
+    b.incoming_order.push_back(pu.key);
+    if (b.incoming_order.size() > 4 * b.cache_entries) {
+      b.incoming.erase(b.incoming_order.front());
+      b.incoming_order.erase(b.incoming_order.begin());
+    }
+  }
 }
 
 void World::request_whole(int i, uint32_t slot) {

@@ -185,7 +185,7 @@ nlohmann::json World::summary() const {
           {"traffic", {{"router_link", {{"up_bytes", router_host.up.bytes}, {"down_bytes", router_host.down.bytes},
                                         {"up_busy_share", router_host.up.busy_s / T}, {"down_busy_share", router_host.down.busy_s / T}}},
                        {"peer_uplinks", {{"bytes", peer_bytes}, {"busiest_share", busiest_up / T}}},
-                       {"fetches", fetches}, {"fetch_failures", fetch_failures},
+                       {"fetches", fetches}, {"fetch_failures", fetch_failures}, {"pushes", pushes}, {"pushes_used", pushes_used},
                        {"messages_to_router", msgs_to_router}, {"messages_from_router", msgs_from_router},
                        {"heartbeats_to_router", heartbeats_in}, {"heartbeats_from_router", heartbeats_out},
                        {"heartbeats_to_router_per_s", double(heartbeats_in) / T}, {"messages_to_router_per_s", double(msgs_to_router) / T}}},

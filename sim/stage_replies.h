@@ -52,6 +52,10 @@ struct StageBook {
   // fetches nothing (stages/holdings.h keeps them the same way); the newest cache_entries.
   std::unordered_set<uint64_t> copies;
   std::vector<uint64_t> copy_order;
+  // Tensors pushed here (PUSH to their holder): when each arrives, by key (the newest
+  // 4 x cache_entries; one whose request went elsewhere is never used).
+  std::unordered_map<uint64_t, double> incoming;
+  std::vector<uint64_t> incoming_order;
   // The affinity cache: microbatches whose forward graph it keeps (the newest cache_entries).
   std::unordered_set<uint64_t> graphs;
   std::vector<uint64_t> graph_order;

@@ -148,6 +148,10 @@ void World::take(router::Actions actions) {
         continue;
       }
       msgs_from_router++;
+      if (s->msg.type == wire::MsgType::kPush) {
+        push(p, s->msg);
+        continue;
+      }
       SimPeer& peer = peers[size_t(p)];
       const double at = transfer(router_host, peer.host, message_bytes(s->msg), now);
       schedule(at, Ev::kToPeer, p, stash(std::move(s->msg)));

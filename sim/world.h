@@ -130,6 +130,9 @@ class World {
   // ---- peers.cpp ----
   void join(int p);
   void peer_receives(int p, wire::Message m);
+  // The router's PUSH to a holder: when the tensor reaches its receiver, noted there (the holder's
+  // I/O thread sends it as the PUSH arrives; no event of its own).
+  void push(int holder, const wire::Message& m);
   void request_whole(int p, uint32_t slot);
   void computed(int p, uint32_t slot);
   void heartbeat(int p);
@@ -188,7 +191,7 @@ class World {
   uint64_t pauses = 0;
   std::string last_state, last_reason;
   uint64_t moves = 0, quarantined = 0, crashes = 0, rejoins = 0, router_restarts = 0;
-  uint64_t corrupt_sent = 0, fetches = 0, fetch_failures = 0, relays = 0;
+  uint64_t corrupt_sent = 0, fetches = 0, fetch_failures = 0, relays = 0, pushes = 0, pushes_used = 0;
   uint64_t msgs_to_router = 0, msgs_from_router = 0, heartbeats_in = 0, heartbeats_out = 0;
   std::map<std::string, uint64_t> log_counts;        // by level
   uint64_t peak_held_bytes = 0;                      // the most one peer held for others [bytes]

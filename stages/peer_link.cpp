@@ -12,6 +12,7 @@ namespace swarm {
 namespace {
 
 constexpr double kDialerIdleS = 60;
+constexpr int kPushQueue = 8;   // pushes queued to one receiver at most
 
 std::unique_ptr<zmq::socket_t> socket_of(zmq::context_t& ctx, zmq::socket_type type) {
   auto s = std::make_unique<zmq::socket_t>(ctx, type);
@@ -39,8 +40,9 @@ PeerLink::PeerLink(zmq::context_t& ctx, const std::string& listen, const std::st
   }
   listen_ = socket_of(ctx, zmq::socket_type::router);
   if (own_) curve_server(*listen_, *own_, "swarm-peers");
-  // A FETCH is small; a peer that sends frames of any size is cut off by libzmq before buffering them.
-  listen_->set(zmq::sockopt::maxmsgsize, int64_t(limits::kMaxSmallBodyBytes) + 4096);
+  // A FETCH is small and a push one tensor; a peer that sends frames over that is cut off by
+  // libzmq before buffering them.
+  listen_->set(zmq::sockopt::maxmsgsize, int64_t(limits::kMaxTensorBytes) + int64_t(limits::kMaxSmallBodyBytes));
   try {
     listen_->bind(listen);
   } catch (const zmq::error_t& e) {
@@ -75,8 +77,12 @@ void PeerLink::ready(const std::vector<zmq::pollitem_t>& items, size_t first, do
         wire::Message reply;
         try {
           wire::Message m = wire::decode(r->frames);
+          if (m.type == wire::MsgType::kFetched && m.id == 0) {
+            on_push(m, now);   // a notice: nothing goes back
+            continue;
+          }
           if (m.type != wire::MsgType::kFetch)
-            throw WireError(WireErrc::kOutOfOrder, std::string("a peer's listen socket takes FETCH, not ") + wire::msg_type_name(m.type));
+            throw WireError(WireErrc::kOutOfOrder, std::string("a peer's listen socket takes FETCH and pushed FETCHED, not ") + wire::msg_type_name(m.type));
           reply = serve(m);
         } catch (const InputError& e) {
           const std::optional<uint64_t> id = wire::peek_id(r->frames);
@@ -105,6 +111,7 @@ void PeerLink::ready(const std::vector<zmq::pollitem_t>& items, size_t first, do
     if (!busy && now - it->second.last_used > kDialerIdleS) it = dialers_.erase(it);
     else ++it;
   }
+  for (auto it = pushers_.begin(); it != pushers_.end();) it = now - it->second.last_used > kDialerIdleS ? pushers_.erase(it) : std::next(it);
 }
 
 wire::Message PeerLink::serve(const wire::Message& fetch) {
@@ -119,6 +126,62 @@ wire::Message PeerLink::serve(const wire::Message& fetch) {
   served_bytes += t->desc.wire_bytes();
   reply.tensors.push_back(std::move(*t));
   return reply;
+}
+
+void PeerLink::push(const msg::Push& p, double now) {
+  if (cut_) return;  // partitioned: the receiver fetches, and fails, as it would
+  std::optional<wire::Tensor> t = holdings_.get(p.key, uint32_t(p.part));
+  if (!t) return;   // released or evicted: the receiver's FETCH hears not_held
+  msg::Fetch f;
+  f.key = p.key;
+  f.part = p.part;
+  wire::Message m = msg::make(wire::MsgType::kFetched, f, 0);
+  const uint64_t bytes = t->desc.wire_bytes();
+  m.tensors.push_back(std::move(*t));
+  if (own_ && !valid_z85_key(p.to_key)) return;
+  const std::string to = own_ ? p.to + " " + p.to_key : p.to;
+  Dialer& d = pushers_[to];
+  if (!d.sock) {
+    d.sock = socket_of(ctx_, zmq::socket_type::dealer);
+    d.sock->set(zmq::sockopt::sndhwm, kPushQueue);
+    if (own_) curve_client(*d.sock, *own_, p.to_key);
+    d.sock->connect(p.to);
+  }
+  d.last_used = now;
+  std::vector<zmq::message_t> frames = wire::encode(m);
+  for (size_t i = 0; i < frames.size(); ++i) {
+    // Never blocks: with the queue full (the receiver unreachable, or slow) the push is dropped
+    // and the receiver fetches. A message's first frame taken, the rest are.
+    const auto more = i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none;
+    if (!d.sock->send(frames[i], more | zmq::send_flags::dontwait)) return;
+  }
+  pushes++;
+  push_bytes += bytes;
+}
+
+void PeerLink::on_push(wire::Message& m, double now) {
+  if (m.tensors.size() != 1) return;
+  const msg::Fetch f = msg::read<msg::Fetch>(m);
+  wire::Tensor& t = m.tensors[0];
+  pushed_in++;
+  // The requests waiting for it take it; one that came first is kept as a copy for its request.
+  bool used = false;
+  for (auto& [wid, w] : waiting_) {
+    for (size_t i = 0; i < w.msg.refs.size(); ++i) {
+      const wire::TensorRef& r = w.msg.refs[i];
+      if (w.got[i] || r.key != f.key || r.part != uint32_t(f.part) || !wire::same_tensor(t.desc, r.desc)) continue;
+      wire::Tensor mine = wire::share(t);
+      wire::decompress(mine);
+      w.got[i] = std::move(mine);
+      w.fetched[r.slot] += int64_t(t.desc.wire_bytes());
+      w.missing--;
+      used = true;
+    }
+  }
+  if (used) return;
+  early_[{f.key, uint32_t(f.part)}] = t.desc.wire_bytes();
+  if (early_.size() > kMaxEarly) early_.erase(early_.begin());
+  holdings_.put(f.key, uint32_t(f.part), std::move(t), true, now);
 }
 
 void PeerLink::peer_keys(const msg::PeerKeys& k) {
@@ -149,12 +212,17 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
   w.deadline = now + w.window_s;
   w.got.resize(w.msg.refs.size());
   w.fetched.assign(w.msg.tensors.size() + w.msg.refs.size(), 0);
+  w.push_until.assign(w.msg.refs.size(), 0);
   w.missing = w.msg.refs.size();
   for (size_t i = 0; i < w.msg.refs.size(); ++i) {
     const wire::TensorRef& r = w.msg.refs[i];
     if (std::optional<wire::Tensor> t = holdings_.get(r.key, r.part); t && wire::same_tensor(t->desc, r.desc)) {
       wire::decompress(*t);  // kept packed as it travels (entropy=zstd); used here as the codec's bytes
-      w.got[i] = std::move(t);  // made or fetched here before
+      w.got[i] = std::move(t);  // made, fetched or pushed here before
+      if (auto e = early_.find({r.key, r.part}); e != early_.end()) {
+        w.fetched[r.slot] += int64_t(e->second);   // pushed before the request came: it crossed a link for it
+        early_.erase(e);
+      }
       w.missing--;
       continue;
     }
@@ -163,21 +231,31 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
       continue;
     }
     if (cut_) continue;  // partitioned: times out
-    if (own_ && !valid_z85_key(r.from_key)) {
-      fail(w, i, WireErrc::kUnreachable, "tensor " + std::to_string(r.slot) + "'s holder " + r.from + " has no key to check it by");
+    if (r.pushed) {
+      w.push_until[i] = now + timing::push_wait_s(r.desc.wire_bytes(), w.window_s);   // on its way: fetched only if it is late
       continue;
     }
-    // One dialer per holder: its address and, under CURVE, the key it must prove it has.
-    const std::string holder = own_ ? r.from + " " + r.from_key : r.from;
-    msg::Fetch f;
-    f.key = r.key;
-    f.part = int32_t(r.part);
-    const uint64_t fid = next_fetch_++;
-    wire::Message q = msg::make(wire::MsgType::kFetch, f, fid);
-    fetching_[fid] = Fetching{wid, i, holder};
-    fetches++;
-    if (!wire::send(*dialer(holder, r.from_key, now).sock, q)) fail(w, i, WireErrc::kUnreachable, "cannot queue a FETCH to " + r.from);
+    fetch(wid, w, i, now);
   }
+}
+
+void PeerLink::fetch(uint64_t wid, Waiting& w, size_t i, double now) {
+  const wire::TensorRef& r = w.msg.refs[i];
+  w.push_until[i] = 0;
+  if (own_ && !valid_z85_key(r.from_key)) {
+    fail(w, i, WireErrc::kUnreachable, "tensor " + std::to_string(r.slot) + "'s holder " + r.from + " has no key to check it by");
+    return;
+  }
+  // One dialer per holder: its address and, under CURVE, the key it must prove it has.
+  const std::string holder = own_ ? r.from + " " + r.from_key : r.from;
+  msg::Fetch f;
+  f.key = r.key;
+  f.part = int32_t(r.part);
+  const uint64_t fid = next_fetch_++;
+  wire::Message q = msg::make(wire::MsgType::kFetch, f, fid);
+  fetching_[fid] = Fetching{wid, i, holder};
+  fetches++;
+  if (!wire::send(*dialer(holder, r.from_key, now).sock, q)) fail(w, i, WireErrc::kUnreachable, "cannot queue a FETCH to " + r.from);
 }
 
 void PeerLink::fail(Waiting& w, size_t ref, WireErrc code, const std::string& why) {
@@ -201,6 +279,7 @@ void PeerLink::on_fetch_reply(wire::Received& r, const std::string& address) {
   auto wi = waiting_.find(fetch.request);
   if (wi == waiting_.end()) return;
   Waiting& w = wi->second;
+  if (w.got[fetch.ref]) return;  // its push came first
   const wire::TensorRef& ref = w.msg.refs[fetch.ref];
   try {
     wire::Message m = wire::decode(r.frames);
@@ -235,6 +314,13 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
   std::vector<Resolved> out;
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     Waiting& w = it->second;
+    // A push that did not come in time: fetched after all (its holder may not reach this peer).
+    for (size_t i = 0; i < w.push_until.size() && !w.error && !cut_; ++i)
+      if (w.push_until[i] > 0 && !w.got[i] && now >= w.push_until[i]) {
+        push_late++;
+        w.push_late++;
+        fetch(it->first, w, i, now);
+      }
     if (!w.error && w.missing > 0 && now > w.deadline) {
       for (size_t i = 0; i < w.got.size(); ++i)
         if (!w.got[i]) {
@@ -254,6 +340,7 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
     Resolved r;
     r.seq = w.seq;
     r.fetched = std::move(w.fetched);
+    r.push_late = w.push_late;
     if (!w.error) {
       std::vector<wire::Tensor> got;
       for (auto& t : w.got) got.push_back(std::move(*t));

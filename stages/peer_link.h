@@ -12,7 +12,10 @@
 // lying: the router asks for a second opinion). In a CURVE swarm (`own` keys given) both ends
 // are encrypted and authenticated: the listen socket admits only the keys the router named in
 // PEER_KEYS (other stage servers of the swarm), and a dialer checks that the holder is who the
-// reference says (TensorRef.from_key). The I/O thread owns it; torch-free.
+// reference says (TensorRef.from_key). Pushes: on the router's PUSH a holder sends a tensor to
+// a hop's receiver before it is asked (an unasked FETCHED on the receiver's listen socket); the
+// receiver waits a while for a reference marked `pushed` (push_wait_s) before it fetches it, and
+// keeps a push that came before its request as a copy (timing::push_wait_s). The I/O thread owns it; torch-free.
 // Protocol: docs/protocol.md, "Peer to peer".
 #pragma once
 
@@ -60,6 +63,7 @@ class PeerLink {
     uint64_t seq = 0;
     std::vector<int64_t> fetched;      // bytes fetched from other peers, per request tensor
     std::optional<wire::Message> error;  // else: the ERROR to send the router instead
+    int64_t push_late = 0;             // pushed references fetched after all (RESULT.push_late)
   };
   // Requests resolved (or failed, timeouts included) since the last call.
   std::vector<Resolved> take(double now);
@@ -68,6 +72,9 @@ class PeerLink {
   // The answer to a FETCH (from a peer, or the router relaying): FETCHED with a share of the
   // tensor, or ERROR not_held.
   wire::Message serve(const wire::Message& fetch);
+
+  // PUSH from the router: send that tensor to its receiver now (nothing, when not held here).
+  void push(const msg::Push& p, double now);
 
   // PEER_KEYS from the router: the stage servers that may fetch from this one.
   void peer_keys(const msg::PeerKeys& k);
@@ -78,6 +85,8 @@ class PeerLink {
 
   uint64_t fetches = 0, fetch_bytes = 0, served = 0, served_bytes = 0;   // counters for the log and /metrics
   uint64_t failed = 0;                                  // requests failed because a reference did not arrive
+  uint64_t pushes = 0, push_bytes = 0;                  // tensors this peer pushed to receivers (PUSH)
+  uint64_t pushed_in = 0, push_late = 0;                // pushes received; pushed references fetched after all
   std::map<std::string, uint64_t> fetched_from;         // wire bytes fetched, per holder address
 
  private:
@@ -90,6 +99,8 @@ class PeerLink {
     uint64_t seq = 0;
     std::vector<std::optional<wire::Tensor>> got;   // per reference
     std::vector<int64_t> fetched;                   // per request tensor
+    std::vector<double> push_until;                 // per reference: waiting for its push until then (0: not)
+    int64_t push_late = 0;
     size_t missing = 0;
     double window_s = 0;    // the wait allowed: --fetch-timeout-s, or less where the request asks
     double deadline = 0;
@@ -102,6 +113,10 @@ class PeerLink {
   };
   Dialer& dialer(const std::string& address, const std::string& key, double now);
   void fail(Waiting& w, size_t ref, WireErrc code, const std::string& why);
+  // FETCH reference `i` of waiting request `wid` from its holder.
+  void fetch(uint64_t wid, Waiting& w, size_t i, double now);
+  // An unasked FETCHED on the listen socket: a holder pushing a tensor here.
+  void on_push(wire::Message& m, double now);
   void on_fetch_reply(wire::Received& r, const std::string& address);
 
   zmq::context_t& ctx_;
@@ -115,10 +130,17 @@ class PeerLink {
   double fetch_timeout_s_;
   bool cut_ = false;
   std::map<std::string, Dialer> dialers_;
+  // Sockets that push to receivers, apart from the fetching ones: a push to a receiver that is
+  // not connected (yet, or at all) is dropped rather than queued past a few tensors.
+  std::map<std::string, Dialer> pushers_;
   std::vector<std::string> polled_;            // dialer addresses in the order add_poll_items listed them
   std::map<uint64_t, Waiting> waiting_;        // by arrival number
   uint64_t next_waiting_ = 1;
   std::map<uint64_t, Fetching> fetching_;      // by FETCH id
+  // Pushes that came before their request, kept as copies: their wire bytes, by (key, part), so
+  // the request reports them as fetched (the oldest forgotten past kMaxEarly).
+  std::map<std::pair<uint64_t, uint32_t>, uint64_t> early_;
+  static constexpr size_t kMaxEarly = 4096;
   uint64_t next_fetch_ = 1;
 };
 

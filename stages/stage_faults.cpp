@@ -26,7 +26,8 @@ bool is_request(int t) {
     case MsgType::kError:
     case MsgType::kChaos:
     case MsgType::kChaosReply:
-    case MsgType::kRelease: return false;  // a notice, not a request: it expects no reply
+    case MsgType::kRelease:
+    case MsgType::kPush: return false;  // a notice, not a request: it expects no reply
     default: return true;
   }
 }

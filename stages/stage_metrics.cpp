@@ -47,6 +47,11 @@ std::string stage_exposition(const StageFigures& f) {
       .sample({}, double(f.fetch_failures));
   out.family("swarm_stage_served_total", Type::kCounter, "Held tensors served to other peers and to the router.").sample({}, double(f.served));
   out.family("swarm_stage_served_bytes_total", Type::kCounter, "Wire bytes of held tensors served.").sample({}, double(f.served_bytes));
+  out.family("swarm_stage_pushes_total", Type::kCounter, "Held tensors pushed to a hop's receiver on the router's PUSH.").sample({}, double(f.pushes));
+  out.family("swarm_stage_pushed_bytes_total", Type::kCounter, "Wire bytes of held tensors pushed.").sample({}, double(f.pushed_bytes));
+  out.family("swarm_stage_pushes_received_total", Type::kCounter, "Tensors other peers pushed here.").sample({}, double(f.pushed_in));
+  out.family("swarm_stage_pushes_late_total", Type::kCounter, "Pushed references fetched after all, their push not there in time.")
+      .sample({}, double(f.push_late));
   out.family("swarm_stage_relayed_total", Type::kCounter, "Held tensors the router fetched to relay to a peer that could not reach this one.")
       .sample({}, double(f.relayed));
   if (f.device_memory_bytes >= 0)
@@ -82,6 +87,10 @@ StageFigures gather_stage_figures(const SharedStats& stats, const Holdings& hold
   f.served = link.served;
   f.served_bytes = link.served_bytes;
   f.fetched_from = link.fetched_from;
+  f.pushes = link.pushes;
+  f.pushed_bytes = link.push_bytes;
+  f.pushed_in = link.pushed_in;
+  f.push_late = link.push_late;
   return f;
 }
 

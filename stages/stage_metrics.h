@@ -26,6 +26,7 @@ struct StageFigures {
   uint64_t queued = 0;                   // requests waiting for the compute thread
   uint64_t held_bytes = 0, held_tensors = 0, held_evictions = 0;
   uint64_t fetches = 0, fetched_bytes = 0, fetch_failures = 0, served = 0, served_bytes = 0, relayed = 0;
+  uint64_t pushes = 0, pushed_bytes = 0, pushed_in = 0, push_late = 0;
   std::map<std::string, uint64_t> fetched_from;   // holder address -> wire bytes fetched from it
   int64_t device_memory_bytes = -1, device_memory_free_bytes = -1;   // -1: unknown
 };

@@ -234,7 +234,11 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
                         (opt.emulate > 1 ? " [emulated " + (opt.profile.empty() ? std::to_string(opt.emulate) + "x slower" : opt.profile) + "]" : ""));
   // Requests whose reply keeps its tensors here (hold), and the bytes fetched for each request.
   std::set<uint64_t> hold_ids;
-  std::map<uint64_t, std::vector<int64_t>> fetched_by_id;
+  struct Fetched {
+    std::vector<int64_t> bytes;   // per request tensor
+    int64_t push_late = 0;        // pushes that did not come in time (PeerLink::Resolved)
+  };
+  std::map<uint64_t, Fetched> fetched_by_id;
   // A reply from the compute thread, before it leaves: tensors kept and referenced, fetched
   // bytes reported. Anything else passes untouched.
   auto finish_reply = [&](Frames frames) -> Frames {
@@ -251,7 +255,10 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     }
     if (m.type == MsgType::kResult && fetched != fetched_by_id.end()) {
       msg::Result r = msg::read<msg::Result>(m);
-      r.fetched = fetched->second;
+      bool any = false;
+      for (int64_t b : fetched->second.bytes) any |= b > 0;
+      if (any) r.fetched = fetched->second.bytes;
+      if (fetched->second.push_late > 0) r.push_late = fetched->second.push_late;
       m.body = msg::make(r).body;
     }
     if (fetched != fetched_by_id.end()) fetched_by_id.erase(fetched);
@@ -352,6 +359,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
         case MsgType::kRelease:
           for (int64_t key : msg::read<msg::Release>(m).keys) holdings.release(uint64_t(key));
           break;
+        case MsgType::kPush: link->push(msg::read<msg::Push>(m), now_s()); break;
         case MsgType::kFetch: {
           // The router relays a tensor this peer holds to a peer that could not reach it.
           Message rep = link->serve(m);
@@ -428,9 +436,9 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
         answer(*r.error);
         continue;
       }
-      bool any = false;
+      bool any = r.push_late > 0;
       for (int64_t b : r.fetched) any |= b > 0;
-      if (any) fetched_by_id[r.msg.id] = std::move(r.fetched);
+      if (any) fetched_by_id[r.msg.id] = Fetched{std::move(r.fetched), r.push_late};
       inbox.push(std::move(r.msg), r.seq);
     }
     if (items[0].revents & ZMQ_POLLIN) {

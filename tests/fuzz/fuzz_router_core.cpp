@@ -52,7 +52,7 @@ const MsgType kTypes[] = {MsgType::kHello,       MsgType::kHeartbeat,   MsgType:
                           MsgType::kStageReady,  MsgType::kResult,      MsgType::kRoundDelta, MsgType::kRoundReduced,
                           MsgType::kRoundDone,   MsgType::kStateReply,  MsgType::kSubmit,     MsgType::kStatus,
                           MsgType::kCancel,      MsgType::kPeers,       MsgType::kChaos,      MsgType::kForward,
-                          MsgType::kFetched,     MsgType::kRelease,     MsgType::kFetch};
+                          MsgType::kFetched,     MsgType::kRelease,     MsgType::kFetch,      MsgType::kPush};
 
 // A small job spec the fake peers can run, varied by one byte.
 json spec_of(uint8_t b) {

@@ -195,6 +195,12 @@ void wire_seeds() {
     wire_seed("seed-fetch", wire::json_message(MsgType::kFetch, 7, 0, json{{"key", 41}, {"part", 0}}));
     wire_seed("seed-fetched", with(wire::json_message(MsgType::kFetched, 7, 0, json{{"key", 41}, {"part", 0}}), f32("bf16", {2, 8, 16})));
     wire_seed("seed-release", wire::json_message(MsgType::kRelease, 0, 0, json{{"keys", {38, 40, 41}}}));
+    wire_seed("seed-push", wire::json_message(MsgType::kPush, 0, 0, json{{"key", 41}, {"part", 0}, {"to", "tcp://10.0.0.8:6000"}}));
+    Message pushed = msg::make(MsgType::kForward, msg::Hop{}, 42);
+    pushed.refs.push_back(ref(0, "tcp://10.0.0.7:6000", 41, f32("int8:block=64", {2, 8, 16})));
+    pushed.refs.back().pushed = true;
+    wire_seed("seed-forward-ref-pushed", std::move(pushed));
+    wire_seed("seed-result-push-late", wire::json_message(MsgType::kResult, 42, 0, json{{"mb", 3}, {"stage", 1}, {"push_late", 1}}));
   }
   wire_seed("seed-chaos", wire::json_message(MsgType::kChaos, 6, 0, json{{"peer", "stage2-1"}, {"fault", "slow,factor=4"}}));
   wire_seed("seed-chaos-reply", wire::json_message(MsgType::kChaosReply, 6, 0, json{{"peer", "p-0123456789ab"}, {"name", "stage2-1"}, {"fault", "slow,factor=4"}}));

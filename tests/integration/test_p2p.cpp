@@ -37,6 +37,9 @@ TEST(P2p, TheRouterCarriesNoActivationAndTrainsWhatTheHubTrains) {
   ASSERT_EQ(b["state"], "done") << b.dump();
   EXPECT_EQ(a["hops"]["mode"], "p2p");
   EXPECT_EQ(a["hops"]["bytes_through_router"], 0) << a["hops"].dump();
+  // Each hop's holder was told to push the tensor to the receiver as the hop went out.
+  EXPECT_GT(a["hops"]["pushed"].get<uint64_t>(), 0u) << a["hops"].dump();
+  EXPECT_EQ(b["hops"]["pushed"], 0) << b["hops"].dump();
   EXPECT_GT(b["hops"]["bytes_through_router"].get<uint64_t>(), 0u);
   // One peer per stage under sync: both transports compute the same thing, bit for bit.
   EXPECT_EQ(train_losses(a), train_losses(b));
@@ -81,12 +84,14 @@ TEST(P2p, APeerOthersCannotReachIsRelayedThroughTheRouter) {
     LocalSwarm swarm(dir, kBuild);
     swarm.start_router();
     swarm.start_stage(0, "s0", 1);
-    // It listens, but tells others an address where nobody does: every fetch from it fails.
-    // The peers keep their 30-s fetch timeout: the router's requests ask them to give up on a
-    // fetch well before the request's deadline, so that it hears of the failure and relays.
+    // It listens, but tells others an address where nobody does: every fetch from it and every
+    // push to it fails. The peers keep their 30-s fetch timeout: the router's requests ask them
+    // to give up on a fetch well before the request's deadline, so that it hears of the failure
+    // and relays. Stage 2 takes no connections, so s1 cannot push what it makes there either
+    // (to peers that listen it would, and need no relay).
     swarm.start_stage(1, "s1", 1, {"--listen", "tcp://127.0.0.1:*", "--advertise", "tcp://127.0.0.1:9"});
-    swarm.start_stage(2, "s2", 1);
-    swarm.start_stage(2, "s2b", 1);
+    swarm.start_stage(2, "s2", 1, {"--no-listen"});
+    swarm.start_stage(2, "s2b", 1, {"--no-listen"});
     Client c(swarm.router_endpoint());
     wait_for_peers(c, 4);
     st = follow_to_end(c, submit(c, tiny_job(data, 3, 10, "sync")), 240, 50);
@@ -98,7 +103,10 @@ TEST(P2p, APeerOthersCannotReachIsRelayedThroughTheRouter) {
   EXPECT_GT(st["hops"]["relayed_by_router"].get<uint64_t>(), 0u) << st["hops"].dump();
   EXPECT_GT(st["hops"]["bytes_through_router"].get<uint64_t>(), 0u) << st["hops"].dump();
   for (const auto& p : peers) {
-    EXPECT_EQ(p["relayed"].get<bool>(), p["name"] == "s1") << p.dump();
+    EXPECT_EQ(p["relayed"].get<bool>(), p["name"] != "s0") << p.dump();   // stage 2 by choice
+    // Pushes to s1 never came: the router stopped pushing to it (or relays it). s0 is reachable.
+    if (p["name"] == "s1") EXPECT_FALSE(p["pushed_to"].get<bool>()) << p.dump();
+    if (p["name"] == "s0") EXPECT_TRUE(p["pushed_to"].get<bool>()) << p.dump();
     // The only peers of their stages served every hop there, and the router timed them.
     if (p["name"] == "s0" || p["name"] == "s1") {
       EXPECT_GT(p["turnaround_ms"].get<double>(), 0.0) << p.dump();

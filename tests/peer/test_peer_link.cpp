@@ -102,6 +102,84 @@ TEST(PeerLink, ARequestIsWholeOnceEveryReferenceIsFetchedFromItsHolder) {
   EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{0, 0}));
 }
 
+// Both ends listen, as peers that hold do: the router may ask the holder to push.
+struct ListeningPair {
+  zmq::context_t ctx{1};
+  Holdings held{1 << 20, 600, 60}, mine{1 << 20, 600, 60};
+  PeerLink holder{ctx, "tcp://127.0.0.1:*", "", held, 1.0};
+  PeerLink link{ctx, "tcp://127.0.0.1:*", "", mine, 1.0};
+};
+
+msg::Push push_of(uint64_t key, const std::string& to) {
+  msg::Push pu;
+  pu.key = key;
+  pu.to = to;
+  return pu;
+}
+
+// The router's PUSH: the holder sends the tensors to the receiver before it asks, and a request
+// whose references say so is whole without a FETCH, whether the pushes come after it or before.
+TEST(PeerLink, PushedTensorsMakeARequestWholeWithoutAFetch) {
+  ListeningPair p;
+  wire::Tensor a = floats(1000, 1), b = floats(500, 2);
+  const wire::TensorDesc da = a.desc, db = b.desc;
+  p.held.put(10, 0, std::move(a), false, 0);
+  p.held.put(11, 0, std::move(b), false, 0);
+  wire::Message req = request_with_refs(p.holder.address(), da, db);
+  for (auto& r : req.refs) r.pushed = true;
+  p.link.resolve(std::move(req), 5, 0);
+  p.holder.push(push_of(10, p.link.address()), 0);
+  p.holder.push(push_of(11, p.link.address()), 0);
+  auto out = pump(p.holder, p.link, 0.4);   // well before the pushes are waited for (0.5 s)
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_FALSE(out[0].error) << msg::read<msg::Error>(*out[0].error).message;
+  EXPECT_EQ(p.link.fetches, 0u);
+  EXPECT_EQ(p.holder.pushes, 2u);
+  EXPECT_EQ(p.link.pushed_in, 2u);
+  EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{4000, 2000}));
+  EXPECT_TRUE(wire::same_tensor(out[0].msg.tensors[1].desc, db));
+  EXPECT_EQ(static_cast<const float*>(out[0].msg.tensors[1].data.data())[499], 2.f + 499);
+
+  // Pushed before the request came: kept as a copy, and counted as crossing the link once.
+  wire::Tensor c = floats(200, 3);
+  const wire::TensorDesc dc = c.desc;
+  p.held.put(12, 0, std::move(c), false, 0);
+  p.holder.push(push_of(12, p.link.address()), 0);
+  for (int i = 0; i < 400 && p.link.pushed_in < 3; ++i) pump(p.holder, p.link, 0.005);
+  ASSERT_EQ(p.link.pushed_in, 3u);
+  wire::Message req2 = request_with_refs(p.holder.address(), dc, dc);
+  req2.refs.resize(1);
+  req2.refs[0].key = 12;
+  req2.refs[0].pushed = true;
+  p.link.resolve(std::move(req2), 6, 0);
+  out = p.link.take(0);
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_FALSE(out[0].error);
+  EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{800}));
+  EXPECT_EQ(p.link.fetches, 0u);
+}
+
+// A push that does not come (its holder could not reach this peer, or no longer had it) is
+// fetched once it is late: the request still resolves.
+TEST(PeerLink, APushThatDoesNotComeIsFetchedOnceItIsLate) {
+  ListeningPair p;
+  wire::Tensor a = floats(100, 1), b = floats(100, 2);
+  const wire::TensorDesc da = a.desc, db = b.desc;
+  p.held.put(10, 0, std::move(a), false, 0);
+  p.held.put(11, 0, std::move(b), false, 0);
+  wire::Message req = request_with_refs(p.holder.address(), da, db);
+  for (auto& r : req.refs) r.pushed = true;
+  const auto t0 = Clock::now();
+  p.link.resolve(std::move(req), 1, 0);
+  auto out = pump(p.holder, p.link, 3);
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_FALSE(out[0].error) << msg::read<msg::Error>(*out[0].error).message;
+  EXPECT_EQ(p.link.push_late, 2u);
+  EXPECT_EQ(p.link.fetches, 2u);
+  EXPECT_GE(took, 0.5);   // half the 1 s window: timing::push_wait_s
+}
+
 TEST(PeerLink, ATensorItsHolderNoLongerHasFailsTheRequestNamingTheTensor) {
   Pair p;
   wire::Tensor a = floats(100, 1), b = floats(100, 2);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <set>
 
 #include "router/flights.h"
 #include "tests/support/fake_swarm.h"
@@ -698,6 +699,47 @@ TEST(CoreP2p, ActivationsAndGradientsGoPeerToPeerAndEveryHeldTensorIsReleased) {
   uint64_t released = 0;
   for (const auto& [id, p] : f.peers) released += p.book.released;
   EXPECT_GT(released, 0u);
+}
+
+// A hop's holder is told to push the tensor to the receiver (PUSH) as the hop goes out, and the
+// reference says so; except the input of a backward on the peer of its forward, which has it.
+TEST(CoreP2p, EachHeldTensorIsPushedToItsReceiverAsTheHopGoesOut) {
+  FakeSwarm f;
+  three_by_two_p2p(f);
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  size_t pushed = 0, kept = 0;
+  for (const auto& [id, p] : f.peers) {
+    std::set<std::pair<uint64_t, int64_t>> forwards;   // (mb, stage) it ran forward
+    for (const auto& m : p.received) {
+      if (m.type != MsgType::kForward && m.type != MsgType::kForwardLoss && m.type != MsgType::kBackward && m.type != MsgType::kEval) continue;
+      const msg::Hop h = msg::read<msg::Hop>(m);
+      if (m.type != MsgType::kBackward) forwards.insert({h.mb, h.stage});
+      for (const auto& r : m.refs) {
+        if (m.type == MsgType::kBackward && r.slot == 0 && forwards.count({h.mb, h.stage})) {
+          EXPECT_FALSE(r.pushed) << "mb " << h.mb << " stage " << h.stage;
+          kept++;
+          continue;
+        }
+        EXPECT_TRUE(r.pushed) << wire::msg_type_name(m.type) << " mb " << h.mb << " stage " << h.stage << " slot " << r.slot;
+        const testing::FakePeer* holder = nullptr;
+        for (const auto& [hid, q] : f.peers)
+          if (q.listen == r.from) holder = &q;
+        ASSERT_NE(holder, nullptr) << r.from;
+        bool told = false;
+        for (const auto& q : holder->received)
+          if (q.type == MsgType::kPush) {
+            const msg::Push pu = msg::read<msg::Push>(q);
+            told |= pu.key == r.key && uint32_t(pu.part) == r.part && pu.to == p.listen;
+          }
+        EXPECT_TRUE(told) << "no PUSH of " << r.key << " to " << p.listen;
+        pushed++;
+      }
+    }
+  }
+  EXPECT_GT(pushed, 0u);
+  EXPECT_GT(kept, 0u);
+  EXPECT_EQ(f.status(job)["hops"]["pushed"].get<uint64_t>(), pushed);
 }
 
 TEST(CoreP2p, PeersWithoutAListenAddressAreRelayedThroughTheRouter) {
