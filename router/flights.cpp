@@ -220,15 +220,20 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   body.mb = f.index;
   body.stage = f.stage;
   if (count_backward(f)) body.closes_step = true;
+  Peer* ahead = cfg_.p2p && p.can_hold() ? ahead_target(c, f, p) : nullptr;
+  if (ahead) {
+    body.push_to = ahead->hello.listen;
+    if (!ahead->key.empty()) body.push_to_key = ahead->key;
+  }
   wire::Message m = msg::make(msg_type(f.kind), body, 0, f.attempts);
   m.hold = cfg_.p2p && p.can_hold();
   c.attach(m, f.inputs[s], 0);
   // A backward on the peer of the forward finds its input there (it fetched it, or it was pushed).
-  if (!(f.kind == HopKind::kBackward && f.fwd_peer[s] == p.id)) push(c, f.inputs[s], p, m);
+  if (!(f.kind == HopKind::kBackward && f.fwd_peer[s] == p.id)) push(c, f, f.inputs[s], p, m);
   if (!cfg_.echo && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last))) m.tensors.push_back(wire::share(f.targets));
   if (f.kind == HopKind::kBackward) {
     c.attach(m, f.grads[s], 1);
-    push(c, f.grads[s], p, m);
+    push(c, f, f.grads[s], p, m);
   }
   if (!f.eval && !cfg_.echo) {
     // Bytes through the router count here; bytes fetched peer to peer when the receiver reports them.
@@ -258,11 +263,29 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   const char* label = kind_label(f);
   f.req_id = c.request(pd, std::move(m));
   f.attempts++;
+  f.ahead_key = ahead ? f.req_id : 0;
+  f.ahead_to = ahead ? ahead->id : PeerId();
+  if (ahead) {
+    ahead->pushes_to++;
+    pushes++;
+  }
   hop_metrics.sent(f.req_id, f.stage, label);
 }
 
-void Flights::push(Ctx& c, const Slot& s, Peer& to, wire::Message& m) {
+Peer* Flights::ahead_target(Ctx& c, const Flight& f, const Peer& to) {
+  if (f.eval || f.stage == 0 || (f.kind != HopKind::kBackward && f.kind != HopKind::kForwardLoss)) return nullptr;
+  Peer* q = c.peers.find(f.fwd_peer[size_t(f.stage - 1)]);
+  if (!q || q == &to || q->job_id != cfg_.job || q->stage != f.stage - 1 || q->state != PeerState::kReady || !q->can_hold() || q->no_push)
+    return nullptr;
+  return q;
+}
+
+void Flights::push(Ctx& c, const Flight& f, const Slot& s, Peer& to, wire::Message& m) {
   if (!s.held || !cfg_.p2p || !to.can_hold() || to.no_push || s.held->holder == to.id) return;
+  if (s.held->key == f.ahead_key && to.id == f.ahead_to) {
+    m.refs.back().pushed = true;   // on its way since it was made
+    return;
+  }
   const Peer* holder = c.peers.find(s.held->holder);
   if (!holder) return;
   // The receiver would otherwise learn of the tensor only now and ask its holder for it: a

@@ -65,6 +65,10 @@ struct Flight {
   // A backward whose stage input was lost runs the forward before it again, then resumes here.
   int resume_stage = -1;
   uint64_t upload_req = 0;            // a FETCH relaying a held tensor of the current hop through the router
+  // The request whose output its maker pushes, as soon as it is made, to ahead_to: the peer
+  // expected to take the next hop (a backward's next goes to the peer of that stage's forward).
+  uint64_t ahead_key = 0;
+  PeerId ahead_to;
 };
 
 struct FlightConfig {
@@ -153,8 +157,12 @@ class Flights {
  private:
   void send_hop(Ctx& c, uint64_t key, Flight& f);
   // The hop's last reference (to `s`'s holder): the holder is asked to push it to `to` now (PUSH),
-  // and the reference says so. Not when `to` holds it, or fetched it for its own forward.
-  void push(Ctx& c, const Slot& s, Peer& to, wire::Message& m);
+  // and the reference says so; or it did already, as it made it (push ahead). Not when `to`
+  // holds it, or fetched it for its own forward.
+  void push(Ctx& c, const Flight& f, const Slot& s, Peer& to, wire::Message& m);
+  // The peer a backward's (or loss's) output should be pushed to as it is made: the peer that
+  // ran the forward at the stage before, when it takes pushes; else null.
+  Peer* ahead_target(Ctx& c, const Flight& f, const Peer& to);
   // `to` reported n pushes late: past a few, and most of them, it is no longer pushed to.
   void late_pushes(Ctx& c, Peer& to, uint64_t n);
   std::vector<Peer*> candidates(Ctx& c, const Flight& f);

@@ -207,6 +207,9 @@ struct Hop {
   // gradients are added (instead of waiting for the next step's first backward). Sent only
   // when true: other hops carry no byte more.
   std::optional<bool> closes_step;
+  // Peer to peer, with hold: push the output to this listen address (its key `push_to_key` under
+  // CURVE) as soon as it is made, as PUSH would: the peer the router expects to take the next hop.
+  std::optional<std::string> push_to, push_to_key;
   template <class V>
   void visit(V& v) {
     v.field("eval", eval, kOptional);
@@ -214,6 +217,8 @@ struct Hop {
     v.field("mb", mb, kRequired);
     v.field("stage", stage, kRequired, 0, kMaxStageIndex);
     v.field("closes_step", closes_step, kOptional);
+    v.field("push_to", push_to, kOptional, wire::kMaxAddressBytes);
+    v.field("push_to_key", push_to_key, kOptional, size_t(40));
   }
 };
 

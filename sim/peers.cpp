@@ -157,7 +157,7 @@ void World::peer_receives(int i, wire::Message m) {
       // Pushed here: it arrives (or has) without being asked for.
       pushes_used++;
       s.fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
-      keep_copy(p.book, ref->key);
+      keep_copy(p.book, ref->key, ref->desc.nbytes);
       whole = std::max(whole, in->second);
       p.book.incoming.erase(in);
       continue;
@@ -180,7 +180,7 @@ void World::peer_receives(int i, wire::Message m) {
       } else {
         done = transfer(h->host, p.host, ref->desc.nbytes, answers);
         s.fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
-        keep_copy(p.book, ref->key);
+        keep_copy(p.book, ref->key, ref->desc.nbytes);
       }
     }
     if (why) {
@@ -200,16 +200,19 @@ void World::push(int i, const wire::Message& m) {
   SimPeer& h = peers[size_t(i)];
   const msg::Push pu = msg::read<msg::Push>(m);
   const double asked = transfer(router_host, h.host, message_bytes(m), now);
-  auto held = h.book.held.find(pu.key);
-  auto to = by_listen.find(pu.to);
-  if (held == h.book.held.end() || size_t(pu.part) >= held->second.size() || to == by_listen.end()) return;   // the receiver fetches, and hears not_held
+  push_from(h, pu.key, size_t(pu.part), pu.to, std::max(asked, h.stall_until));   // a stopped holder pushes when it runs again
+}
+
+void World::push_from(SimPeer& h, uint64_t key, size_t part, const std::string& to_addr, double at) {
+  auto held = h.book.held.find(key);
+  auto to = by_listen.find(to_addr);
+  if (held == h.book.held.end() || part >= held->second.size() || to == by_listen.end()) return;   // the receiver fetches, and hears not_held
   SimPeer& r = peers[size_t(to->second)];
   if (!r.alive) return;
   pushes++;
-  const double sent = std::max(asked, h.stall_until);   // a stopped holder pushes when it runs again
   StageBook& b = r.book;
-  if (b.incoming.emplace(pu.key, transfer(h.host, r.host, held->second[size_t(pu.part)].desc.nbytes, sent)).second) {
-    b.incoming_order.push_back(pu.key);
+  if (b.incoming.emplace(key, transfer(h.host, r.host, held->second[part].desc.nbytes, at)).second) {
+    b.incoming_order.push_back(key);
     if (b.incoming_order.size() > 4 * b.cache_entries) {
       b.incoming.erase(b.incoming_order.front());
       b.incoming_order.erase(b.incoming_order.begin());
@@ -258,6 +261,11 @@ void World::computed(int i, uint32_t slot) {
   Slot s = release_slot(slot);
   const double units = work_units(s.m.type, has_graph(p.book, s.m));
   std::optional<wire::Message> rep = reply(p.book, s.m, s.fetched, s.compute_s * 1000.0, p.quirks, payloads);
+  if (rep && !rep->refs.empty() && (s.m.type == wire::MsgType::kBackward || s.m.type == wire::MsgType::kForwardLoss)) {
+    // Made and held: pushed at once to the peer the router expects to take the next hop.
+    const msg::Hop h = msg::read<msg::Hop>(s.m);
+    if (h.push_to) push_from(p, s.m.id, 0, *h.push_to, now);
+  }
   if (units > 0) p.ms_per_unit = timing::ema(p.ms_per_unit, s.compute_s * 1000.0 / units);
   peak_held_bytes = std::max(peak_held_bytes, p.book.held_bytes);
   if (!rep) return;

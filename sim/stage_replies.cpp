@@ -45,13 +45,26 @@ std::vector<const wire::TensorRef*> to_fetch(const StageBook& b, const wire::Mes
   return out;
 }
 
-void keep_copy(StageBook& b, uint64_t key) {
-  if (b.cache_entries == 0 || !b.copies.insert(key).second) return;
+void keep_copy(StageBook& b, uint64_t key, uint64_t bytes) {
+  if (!b.copies.emplace(key, bytes).second) return;
+  b.copy_bytes += bytes;
   b.copy_order.push_back(key);
-  if (b.copy_order.size() > b.cache_entries) {
-    b.copies.erase(b.copy_order.front());
-    b.copy_order.erase(b.copy_order.begin());
+  while (b.held_bytes + b.copy_bytes > b.hold_bytes && b.copy_head < b.copy_order.size()) drop_copy(b, b.copy_order[b.copy_head++]);
+  if (b.copy_order.size() - b.copy_head > 2 * b.copies.size() + 64 || b.copy_head > b.copy_order.size() / 2 + 64) {
+    // Mostly keys gone since: keep those still copied, in their order.
+    std::vector<uint64_t> live;
+    for (size_t i = b.copy_head; i < b.copy_order.size(); ++i)
+      if (b.copies.count(b.copy_order[i])) live.push_back(b.copy_order[i]);
+    b.copy_order.swap(live);
+    b.copy_head = 0;
   }
+}
+
+void drop_copy(StageBook& b, uint64_t key) {
+  auto it = b.copies.find(key);
+  if (it == b.copies.end()) return;
+  b.copy_bytes -= it->second;
+  b.copies.erase(it);
 }
 
 wire::Message fetch_error(const wire::Message& req, uint32_t slot, FetchFailure why, const std::string& from) {
@@ -226,7 +239,7 @@ std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const s
     }
     case MsgType::kRelease:
       for (int64_t key : msg::read<msg::Release>(m).keys) {
-        b.copies.erase(uint64_t(key));   // its copy_order entry ages out
+        drop_copy(b, uint64_t(key));   // its copy_order entry goes when it comes up
         auto it = b.held.find(uint64_t(key));
         if (it == b.held.end()) continue;
         for (const wire::Tensor& t : it->second) b.held_bytes -= std::min<uint64_t>(b.held_bytes, t.desc.nbytes);

@@ -48,10 +48,15 @@ struct StageBook {
   std::unordered_map<uint64_t, std::vector<wire::Tensor>> held;
   uint64_t held_bytes = 0;       // what `held` keeps [bytes]
   uint64_t released = 0;         // holdings dropped on RELEASE
-  // Copies of what it fetched (by key), so a BACKWARD that comes back to the peer of the forward
-  // fetches nothing (stages/holdings.h keeps them the same way); the newest cache_entries.
-  std::unordered_set<uint64_t> copies;
-  std::vector<uint64_t> copy_order;
+  // Copies of what it fetched or was pushed (their bytes, by key), so a BACKWARD that comes back
+  // to the peer of the forward fetches nothing. Bounded as stages/holdings.h bounds them: the
+  // oldest go once what it holds and its copies pass hold_bytes (swarm-stage --hold-mb's
+  // default); their time to live (--cache-ttl-s) is not modelled.
+  std::unordered_map<uint64_t, uint64_t> copies;
+  std::vector<uint64_t> copy_order;   // oldest first from copy_head; keys released since stay until they come up
+  size_t copy_head = 0;
+  uint64_t copy_bytes = 0;
+  uint64_t hold_bytes = uint64_t(4096) << 20;
   // Tensors pushed here (PUSH to their holder): when each arrives, by key (the newest
   // 4 x cache_entries; one whose request went elsewhere is never used).
   std::unordered_map<uint64_t, double> incoming;
@@ -78,7 +83,8 @@ double work_units(wire::MsgType t, bool cached);
 // The references of `m` the server must fetch before it can act (those it neither holds nor
 // keeps a copy of), and a fetched one kept as a copy.
 std::vector<const wire::TensorRef*> to_fetch(const StageBook& b, const wire::Message& m);
-void keep_copy(StageBook& b, uint64_t key);
+void keep_copy(StageBook& b, uint64_t key, uint64_t bytes);
+void drop_copy(StageBook& b, uint64_t key);
 
 enum class FetchFailure { kUnreachable, kNotHeld };
 // The answer to `req` when reference slot `slot` (held at `from`) could not be fetched.

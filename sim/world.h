@@ -133,6 +133,9 @@ class World {
   // The router's PUSH to a holder: when the tensor reaches its receiver, noted there (the holder's
   // I/O thread sends it as the PUSH arrives; no event of its own).
   void push(int holder, const wire::Message& m);
+  // Holder h sends part `part` of its reply to request `key` to the peer listening at `to`,
+  // starting at `at`: its arrival noted at the receiver.
+  void push_from(SimPeer& h, uint64_t key, size_t part, const std::string& to, double at);
   void request_whole(int p, uint32_t slot);
   void computed(int p, uint32_t slot);
   void heartbeat(int p);

@@ -234,6 +234,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
                         (opt.emulate > 1 ? " [emulated " + (opt.profile.empty() ? std::to_string(opt.emulate) + "x slower" : opt.profile) + "]" : ""));
   // Requests whose reply keeps its tensors here (hold), and the bytes fetched for each request.
   std::set<uint64_t> hold_ids;
+  std::map<uint64_t, msg::Push> push_ahead;   // held outputs to push as soon as they are made (Hop.push_to)
   struct Fetched {
     std::vector<int64_t> bytes;   // per request tensor
     int64_t push_late = 0;        // pushes that did not come in time (PeerLink::Resolved)
@@ -275,11 +276,29 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       }
       m.tensors.clear();
     }
+    if (auto pa = push_ahead.find(m.id); pa != push_ahead.end()) {
+      if (hold && !m.refs.empty() && m.type != MsgType::kError) link->push(pa->second, now_s());
+      push_ahead.erase(pa);
+    }
     return wire::encode(m);
   };
   // A request for the compute thread: whole, or once what it references has been fetched.
   auto queue_work = [&](Message m, uint64_t seq) {
     if (m.hold) hold_ids.insert(m.id);
+    if (m.hold && (m.type == MsgType::kBackward || m.type == MsgType::kForwardLoss)) {
+      try {
+        const msg::Hop h = msg::read<msg::Hop>(m);
+        if (h.push_to) {
+          msg::Push pu;
+          pu.key = m.id;
+          pu.to = *h.push_to;
+          pu.to_key = h.push_to_key.value_or("");
+          push_ahead[m.id] = std::move(pu);
+        }
+      } catch (const InputError&) {
+        // Malformed: the compute thread answers it so.
+      }
+    }
     if (m.refs.empty()) return inbox.push(std::move(m), seq);
     link->resolve(std::move(m), seq, now_s());
   };
@@ -433,6 +452,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     for (auto& r : link->take(now_s())) {
       if (r.error) {
         hold_ids.erase(r.error->id);
+        push_ahead.erase(r.error->id);
         answer(*r.error);
         continue;
       }
@@ -485,6 +505,10 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
                 (keys && !welcomed ? " (is this server's public key in the router's authorized file with role stage, and --router-key the router's?)" : ""));
     }
   }
+  if (!link->address().empty())
+    log_info("stage", "peer to peer: " + std::to_string(link->fetches) + " fetched, " + std::to_string(link->pushed_in) + " pushed here (" +
+                          std::to_string(link->push_late) + " late), " + std::to_string(link->pushes) + " pushed out, " +
+                          std::to_string(link->served) + " served");
   if (!faults.partitioned()) {
     msg::Bye b;
     b.reason = "shutting down";

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <stdexcept>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <utility>
@@ -44,6 +45,12 @@ inline void remove_made_dirs() {
     std::filesystem::remove_all(d, ec);
   }
 }
+// A file's whole text ("" when it cannot be read).
+inline std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
 inline std::string temp_dir() {
   // The list first, then the hook: at exit the hook runs before the list is destroyed.
   static const bool hooked = (made_dirs(), std::atexit(remove_made_dirs) == 0);

@@ -156,13 +156,6 @@ class FakeRouter {
   Clock::time_point last_beat_ = Clock::now();
 };
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 }  // namespace
 
 TEST(StageFaults, ChaosArmsAFaultOrIsRefused) {

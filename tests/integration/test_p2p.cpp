@@ -40,6 +40,15 @@ TEST(P2p, TheRouterCarriesNoActivationAndTrainsWhatTheHubTrains) {
   // Each hop's holder was told to push the tensor to the receiver as the hop went out.
   EXPECT_GT(a["hops"]["pushed"].get<uint64_t>(), 0u) << a["hops"].dump();
   EXPECT_EQ(b["hops"]["pushed"], 0) << b["hops"].dump();
+  // The middle stage's inputs came pushed: forward inputs on the router's PUSH, the loss's
+  // gradients as they were made (what it fetched is what came late, if anything did).
+  const std::string log = slurp(dir + "/s1.log");
+  const size_t at = log.find("peer to peer: ");
+  ASSERT_NE(at, std::string::npos) << log;
+  long fetched = -1, pushed_in = -1;
+  ASSERT_EQ(std::sscanf(log.c_str() + at, "peer to peer: %ld fetched, %ld pushed here", &fetched, &pushed_in), 2) << log.substr(at, 200);
+  EXPECT_GT(pushed_in, 0) << log.substr(at, 200);
+  EXPECT_LT(fetched, pushed_in) << log.substr(at, 200);
   EXPECT_GT(b["hops"]["bytes_through_router"].get<uint64_t>(), 0u);
   // One peer per stage under sync: both transports compute the same thing, bit for bit.
   EXPECT_EQ(train_losses(a), train_losses(b));
