@@ -108,6 +108,19 @@ struct ListeningPair {
   Holdings held{1 << 20, 600, 60}, mine{1 << 20, 600, 60};
   PeerLink holder{ctx, "tcp://127.0.0.1:*", "", held, 1.0};
   PeerLink link{ctx, "tcp://127.0.0.1:*", "", mine, 1.0};
+  wire::TensorDesc da, db;
+  // The holder keeps tensors 10 (n floats from 1) and 11 (m floats from 2); a BACKWARD that
+  // references both, marked pushed.
+  wire::Message pushed_request(size_t n, size_t m) {
+    wire::Tensor a = floats(n, 1), b = floats(m, 2);
+    da = a.desc;
+    db = b.desc;
+    held.put(10, 0, std::move(a), false, 0);
+    held.put(11, 0, std::move(b), false, 0);
+    wire::Message req = request_with_refs(holder.address(), da, db);
+    for (auto& r : req.refs) r.pushed = true;
+    return req;
+  }
 };
 
 msg::Push push_of(uint64_t key, const std::string& to) {
@@ -121,13 +134,7 @@ msg::Push push_of(uint64_t key, const std::string& to) {
 // whose references say so is whole without a FETCH, whether the pushes come after it or before.
 TEST(PeerLink, PushedTensorsMakeARequestWholeWithoutAFetch) {
   ListeningPair p;
-  wire::Tensor a = floats(1000, 1), b = floats(500, 2);
-  const wire::TensorDesc da = a.desc, db = b.desc;
-  p.held.put(10, 0, std::move(a), false, 0);
-  p.held.put(11, 0, std::move(b), false, 0);
-  wire::Message req = request_with_refs(p.holder.address(), da, db);
-  for (auto& r : req.refs) r.pushed = true;
-  p.link.resolve(std::move(req), 5, 0);
+  p.link.resolve(p.pushed_request(1000, 500), 5, 0);
   p.holder.push(push_of(10, p.link.address()), 0);
   p.holder.push(push_of(11, p.link.address()), 0);
   auto out = pump(p.holder, p.link, 0.4);   // well before the pushes are waited for (0.5 s)
@@ -137,7 +144,7 @@ TEST(PeerLink, PushedTensorsMakeARequestWholeWithoutAFetch) {
   EXPECT_EQ(p.holder.pushes, 2u);
   EXPECT_EQ(p.link.pushed_in, 2u);
   EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{4000, 2000}));
-  EXPECT_TRUE(wire::same_tensor(out[0].msg.tensors[1].desc, db));
+  EXPECT_TRUE(wire::same_tensor(out[0].msg.tensors[1].desc, p.db));
   EXPECT_EQ(static_cast<const float*>(out[0].msg.tensors[1].data.data())[499], 2.f + 499);
 
   // Pushed before the request came: kept as a copy, and counted as crossing the link once.
@@ -163,12 +170,7 @@ TEST(PeerLink, PushedTensorsMakeARequestWholeWithoutAFetch) {
 // fetched once it is late: the request still resolves.
 TEST(PeerLink, APushThatDoesNotComeIsFetchedOnceItIsLate) {
   ListeningPair p;
-  wire::Tensor a = floats(100, 1), b = floats(100, 2);
-  const wire::TensorDesc da = a.desc, db = b.desc;
-  p.held.put(10, 0, std::move(a), false, 0);
-  p.held.put(11, 0, std::move(b), false, 0);
-  wire::Message req = request_with_refs(p.holder.address(), da, db);
-  for (auto& r : req.refs) r.pushed = true;
+  wire::Message req = p.pushed_request(100, 100);
   const auto t0 = Clock::now();
   p.link.resolve(std::move(req), 1, 0);
   auto out = pump(p.holder, p.link, 3);
