@@ -12,7 +12,8 @@ namespace swarm {
 namespace {
 
 constexpr double kDialerIdleS = 60;
-constexpr int kPushQueue = 8;   // pushes queued to one receiver at most
+constexpr int kPushQueue = 8;        // pushes queued to one receiver at most
+constexpr int kFetchQueue = 100000;  // FETCHes queued to one holder (socket_of's high-water mark)
 
 std::unique_ptr<zmq::socket_t> socket_of(zmq::context_t& ctx, zmq::socket_type type) {
   auto s = std::make_unique<zmq::socket_t>(ctx, type);
@@ -140,14 +141,7 @@ void PeerLink::push(const msg::Push& p, double now) {
   m.tensors.push_back(std::move(*t));
   if (own_ && !valid_z85_key(p.to_key)) return;
   const std::string to = own_ ? p.to + " " + p.to_key : p.to;
-  Dialer& d = pushers_[to];
-  if (!d.sock) {
-    d.sock = socket_of(ctx_, zmq::socket_type::dealer);
-    d.sock->set(zmq::sockopt::sndhwm, kPushQueue);
-    if (own_) curve_client(*d.sock, *own_, p.to_key);
-    d.sock->connect(p.to);
-  }
-  d.last_used = now;
+  Dialer& d = dialer(pushers_, to, p.to_key, now, kPushQueue);
   std::vector<zmq::message_t> frames = wire::encode(m);
   for (size_t i = 0; i < frames.size(); ++i) {
     // Never blocks: with the queue full (the receiver unreachable, or slow) the push is dropped
@@ -190,11 +184,13 @@ void PeerLink::peer_keys(const msg::PeerKeys& k) {
   for (const std::string& key : k.remove) allowed_.erase(key);
 }
 
-PeerLink::Dialer& PeerLink::dialer(const std::string& holder, const std::string& key, double now) {
-  Dialer& d = dialers_[holder];
+PeerLink::Dialer& PeerLink::dialer(std::map<std::string, Dialer>& in, const std::string& holder, const std::string& key, double now,
+                                    int sndhwm) {
+  Dialer& d = in[holder];
   if (!d.sock) {
     const std::string address = holder.substr(0, holder.find(' '));
     d.sock = socket_of(ctx_, zmq::socket_type::dealer);
+    d.sock->set(zmq::sockopt::sndhwm, sndhwm);
     if (own_) curve_client(*d.sock, *own_, key);
     d.sock->set(zmq::sockopt::maxmsgsize, int64_t(limits::kMaxTensorBytes) + int64_t(limits::kMaxSmallBodyBytes));
     d.sock->connect(address);
@@ -255,7 +251,7 @@ void PeerLink::fetch(uint64_t wid, Waiting& w, size_t i, double now) {
   wire::Message q = msg::make(wire::MsgType::kFetch, f, fid);
   fetching_[fid] = Fetching{wid, i, holder};
   fetches++;
-  if (!wire::send(*dialer(holder, r.from_key, now).sock, q)) fail(w, i, WireErrc::kUnreachable, "cannot queue a FETCH to " + r.from);
+  if (!wire::send(*dialer(dialers_, holder, r.from_key, now, kFetchQueue).sock, q)) fail(w, i, WireErrc::kUnreachable, "cannot queue a FETCH to " + r.from);
 }
 
 void PeerLink::fail(Waiting& w, size_t ref, WireErrc code, const std::string& why) {

@@ -111,7 +111,9 @@ class PeerLink {
     size_t ref = 0;         // which of its references
     std::string address;
   };
-  Dialer& dialer(const std::string& address, const std::string& key, double now);
+  // The socket to `address` (plus " key" under CURVE) in `in`, opened on first use: a fetcher
+  // (dialers_, replies read) or a pusher (pushers_, at most kPushQueue queued, never read).
+  Dialer& dialer(std::map<std::string, Dialer>& in, const std::string& address, const std::string& key, double now, int sndhwm);
   void fail(Waiting& w, size_t ref, WireErrc code, const std::string& why);
   // FETCH reference `i` of waiting request `wid` from its holder.
   void fetch(uint64_t wid, Waiting& w, size_t i, double now);
