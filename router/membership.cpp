@@ -270,10 +270,10 @@ PeerView TrainingJob::view_of(const Peer& p) const {
 }
 
 // On a randomised period, and only between rounds (a round's membership is its stage's peers):
-// the move plan_rebalance decides and, once a plan of several moves is confirmed in a large
-// swarm, more of it at once: one move per kPeersPerMove ready peers at most, each planned again
-// on the placement the earlier ones left. A bad start of a thousand peers needs over a hundred
-// moves; one per confirmed check took most of an hour (docs/scale.md).
+// the move plan_rebalance decides and, once a move is confirmed in a large swarm, more at once:
+// one move per kPeersPerMove ready peers at most, each planned again on the placement the
+// earlier ones left. A bad start of a thousand peers needs over a hundred moves; one per
+// confirmed check took most of an hour (docs/scale.md).
 constexpr size_t kPeersPerMove = 50;
 
 void TrainingJob::maybe_rebalance(Ctx& c) {
@@ -304,12 +304,14 @@ void TrainingJob::maybe_rebalance(Ctx& c) {
     rebalance_reason_ = r.reason;
   }
   if (!r.move) return;
-  if (!make_move(c, *r.move) || r.move->target_empty || r.move->plan_moves <= 1) return;
-  // The rest of a confirmed plan: no cooldown or second check within it; each move still needs
-  // its own gain over the placement before it (plan_rebalance's margins and settling rules).
+  if (!make_move(c, *r.move) || r.move->target_empty) return;
+  // More moves after a confirmed one: no cooldown or second check within them; each is planned
+  // again and still needs its own gain over the placement before it (plan_rebalance's margins
+  // and settling rules). Not bounded by the confirmed plan's length: with many peers per stage
+  // the margin is small and so are the plans, while a bad start needs a hundred moves.
   size_t ready = 0;
   for (const PeerView& pv : view.peers) ready += pv.ready;
-  const int more = std::min(r.move->plan_moves, int(ready / kPeersPerMove)) - 1;
+  const int more = int(ready / kPeersPerMove) - 1;
   RebalanceParams follow = rp;
   follow.cooldown_s = 0;
   follow.checks_to_move = 1;

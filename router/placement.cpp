@@ -214,7 +214,9 @@ class Planner {
   // peers)) moves into each stage, what raising a stage of equal peers by `gain` takes: one in a
   // small swarm, so a plan has several moves only when several stages sit near the bottleneck;
   // several into a stage of fifty peers, where one peer alone never lifts it by 10%.
-  std::vector<Option> plan(double gain, bool allow_restricted, Skips* skips, std::vector<double>* reached) const {
+  // `reached`: the throughputs the moves reached, whether or not they reached the goal;
+  // `restricted`: whether any of those moves needed reverse_gain.
+  std::vector<Option> plan(double gain, bool allow_restricted, Skips* skips, std::vector<double>* reached, bool* restricted = nullptr) const {
     PlanState st = start_;
     const double goal = min_of(st.t) * (1 + gain);
     std::vector<Option> moves;
@@ -230,6 +232,7 @@ class Planner {
       st.ready[size_t(o->to)] += reg_.peers[o->peer].ready ? 1 : 0;
       st.stage[o->peer] = o->to;
       st.moved[o->peer] = true;
+      if (restricted) *restricted = *restricted || o->restricted;
       moves.push_back(std::move(*o));
       if (reached) *reached = st.t;
       if (min_of(st.t) >= goal && !close(min_of(st.t), min_of(start_.t))) return moves;
@@ -444,10 +447,15 @@ Rebalance plan_rebalance(const Registry& reg, const RebalanceParams& params, dou
   if (now_s - last < params.cooldown_s)
     return say("cooldown: the last move was " + num(now_s - last) + " s ago (cooldown " + num(params.cooldown_s) + " s)");
 
+  // The margin shrinks as the bottleneck's peers grow in number (RebalanceParams::margin_peers).
+  const int b0 = int(std::min_element(t.begin(), t.end()) - t.begin());
+  const int n0 = planner.start_state().ready[size_t(b0)];
+  const double margin = params.min_gain * std::min(1.0, std::sqrt(double(std::max(params.margin_peers, 1)) / double(std::max(n0, 1))));
   Skips sk;
   std::vector<double> reached = t, reached_r = t;
-  auto plan = planner.plan(params.min_gain, /*allow_restricted=*/false, &sk, &reached);
-  if (plan.empty()) plan = planner.plan(std::max(params.min_gain, params.reverse_gain), /*allow_restricted=*/true, nullptr, &reached_r);
+  bool used_restricted = false;
+  auto plan = planner.plan(margin, /*allow_restricted=*/false, &sk, &reached);
+  if (plan.empty()) plan = planner.plan(std::max(margin, params.reverse_gain), /*allow_restricted=*/true, nullptr, &reached_r, &used_restricted);
   if (!plan.empty()) {
     Move m = to_move(plan, false);
     // Measurements are noisy: move only when enough consecutive checks agree where a peer is
@@ -469,14 +477,15 @@ Rebalance plan_rebalance(const Registry& reg, const RebalanceParams& params, dou
     return say("proposed (" + std::to_string(checks) + " of " + std::to_string(params.checks_to_move) + " checks): " + m.reason);
   }
   const double free_min = min_of(reached), any_min = min_of(reached_r);
-  if (any_min >= min_before * (1 + params.min_gain) && any_min > free_min)
+  if (used_restricted && any_min >= min_before * (1 + margin) && any_min > free_min)
     return say("no move: the best plan raises the min throughput " + num(min_before) + " -> " + num(any_min) + kUnit + " (" +
                pct(any_min / min_before - 1) + ") but moves a peer that has not settled (it moved, or a peer as fast moved the other " +
                "way, in the last " + num(params.settle_s) + " s), which needs " + pct(params.reverse_gain).substr(1));
   const double best = std::max(free_min, any_min);
   if (best > min_before)
     return say("no move: the best plan raises the min throughput only " + num(min_before) + " -> " + num(best) + kUnit + " (" +
-               pct(best / min_before - 1) + "), under the " + pct(params.min_gain).substr(1) + " margin");
+               pct(best / min_before - 1) + "), under the " + pct(margin).substr(1) + " margin" +
+               (margin < params.min_gain ? " (" + pct(params.min_gain).substr(1) + " for the " + std::to_string(n0) + " peers at the bottleneck)" : ""));
   return say("no move: no peer can lift the bottleneck (" + num(min_before) + kUnit + "; candidates left out: " + std::to_string(sk.pinned) +
              " pinned, " + std::to_string(sk.unmovable) + " not movable now, " + std::to_string(sk.unmeasured) + " not measured, " +
              std::to_string(sk.last) + " the last ready peer of their stage" + sk.memory() + ")");

@@ -71,7 +71,10 @@ struct Registry {
 };
 
 struct RebalanceParams {
-  double min_gain = 0.10;          // the min stage throughput must rise by this fraction
+  double min_gain = 0.10;          // the min stage throughput must rise by this fraction (the margin)...
+  int margin_peers = 4;            // ...where the bottleneck has at most this many ready peers; with n more,
+                                   // min_gain x sqrt(margin_peers / n): a stage's throughput sums its
+                                   // peers' measured speeds, whose errors average out as 1/sqrt(n)
   double cooldown_s = 300;         // no move this soon after the last move (of any peer)
   double reverse_gain = 0.50;      // the margin for a move that has not settled (below)
   double settle_s = 3600;          // for this long after a move, moving that peer again, or a peer at least
@@ -144,7 +147,8 @@ std::vector<StageNeed> stage_needs(const JobSpec& spec);
 // min stage throughput has risen by min_gain; the plan's first move is made once
 // checks_to_move consecutive checks have planned it (a plan has more than one move when several
 // stages sit near the bottleneck, or when a stage has so many peers that one move cannot lift it
-// by min_gain; every check re-plans). A moved peer is movable, unpinned,
+// by min_gain; every check re-plans). The margin shrinks with the bottleneck's ready peers (see
+// margin_peers). A moved peer is movable, unpinned,
 // measured, never its stage's last ready peer, and able to hold its new stage; a move that has
 // not settled (see settle_s) needs reverse_gain.
 Rebalance plan_rebalance(const Registry& reg, const RebalanceParams& params, double now_s);
