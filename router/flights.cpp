@@ -326,7 +326,10 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   const bool last = f.stage == cfg_.stages - 1;
   out.key = pd.key;
   out.index = f.index;
-  if (r.compute_ms) Registry::measured(p, *r.compute_ms, pd.units, c.now - pd.sent_s, pd.queued);
+  // A backward sent for its cached graph that found it gone (evicted by newer forwards: a deep
+  // pipeline's early stages wait long for their backwards) did 3 units of work, not 2.
+  const bool lost_graph = pd.units == kBackwardCachedUnits && r.cached && !*r.cached;
+  if (r.compute_ms) Registry::measured(p, *r.compute_ms, lost_graph ? kBackwardRecomputeUnits : pd.units, c.now - pd.sent_s, pd.queued);
 
   // What a good answer carries: a tensor of the right description (its values are checked by
   // the stage that receives it), a loss where one is due.
@@ -437,15 +440,18 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       f.stage--;
       f.kind = HopKind::kBackward;
       return out;
-    case HopKind::kBackward:
+    case HopKind::kBackward: {
       if (r.cached.value_or(false)) cached++;
       else recomputed++;
+      const double done = r.cached ? (*r.cached ? kBackwardCachedUnits : kBackwardRecomputeUnits) : pd.units;
+      backward_units_[s] = 0.99 * backward_units_[s] + 0.01 * done;
       out.trained_stage = f.stage;
       if (f.stage == 0) return complete(HopOutcome::kCompleted);
       put(f.grads[s - 1], take());
       f.grad_peer[s - 1] = p.id;
       f.stage--;
       return out;
+    }
   }
   return out;
 }

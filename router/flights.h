@@ -28,6 +28,7 @@
 // goes back one stage; if it accepts it, the first receiver is blamed.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -36,6 +37,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "router/dispatch.h"
 #include "router/job.h"
 #include "runtime/job_spec.h"
 
@@ -109,7 +111,7 @@ struct HopFailure {
 
 class Flights {
  public:
-  explicit Flights(FlightConfig cfg) : cfg_(std::move(cfg)) {}
+  explicit Flights(FlightConfig cfg) : cfg_(std::move(cfg)), backward_units_(size_t(std::max(cfg_.stages, 1)), 2.0) {}
   const FlightConfig& config() const { return cfg_; }
 
   // A microbatch enters the pipeline at stage 0 (its inputs[0] and targets filled).
@@ -144,6 +146,15 @@ class Flights {
   HopMetrics hop_metrics;
   // A result to request `request` that was no longer pending.
   void duplicate(uint64_t request) { hop_metrics.duplicate(request); }
+
+  // The work a microbatch costs stage `stage` over the 3 units placement counts (forward 1,
+  // backward 2 with the forward's graph cached): above 1 where backwards recompute the forward,
+  // because the graph was evicted (a deep pipeline's early stages wait long for their backwards)
+  // or the hop went to another peer. A moving average over about the last hundred backwards.
+  double work_factor(int stage) const {
+    if (stage < 0 || stage >= cfg_.stages - 1) return 1.0;   // the last stage: forward-and-loss, 3 units
+    return (kForwardUnits + backward_units_[size_t(stage)]) / (kForwardUnits + kBackwardCachedUnits);
+  }
 
   // SWARM_CHECKs: every flight waiting on a request has it pending, to the peer it names.
   void check(const Requests& r) const;
@@ -188,6 +199,7 @@ class Flights {
     return w == where_.end() ? flights_.end() : w->second;
   }
   FlightConfig cfg_;
+  std::vector<double> backward_units_;   // [stages] see work_factor
   FlightMap flights_;
   std::unordered_map<uint64_t, FlightMap::iterator> where_;
   std::map<uint64_t, Flight*> waiting_;   // map nodes do not move: the pointers stay valid

@@ -219,11 +219,13 @@ void TrainingJob::integrity_failure(Ctx& c, const PeerId& id, const std::string&
 // ---- rebalancing ----------------------------------------------------------------------------
 
 // The job's peers as router/placement.h sees them: a peer's speed is what it delivers (its
-// measured ms per work unit), scaled to a stage of cost 1.
+// measured ms per work unit), scaled to a stage of cost 1; a stage's cost is its share of the
+// model's compute times the work its backwards take (Flights::work_factor).
 swarm::Registry TrainingJob::placement_view(const Registry& peers, double now, std::vector<uint64_t>* seq) const {
   swarm::Registry reg;
   reg.stages = S_;
   reg.stage_cost = stage_cost_;
+  for (int s = 0; s < S_; ++s) reg.stage_cost[size_t(s)] *= flights_.work_factor(s);   // recomputed forwards
   reg.last_move_s = last_move_s_;
   reg.proposal = proposal_;
   std::vector<const Peer*> ps;

@@ -131,7 +131,7 @@ void World::peer_receives(int i, wire::Message m) {
     case MsgType::kHeartbeat: case MsgType::kChaos: return;
     case MsgType::kRelease: {
       std::vector<int64_t> none;
-      reply(p.book, m, none, 0, p.quirks, payloads);
+      reply(p.book, m, none, 0, now, p.quirks, payloads);
       return;
     }
     case MsgType::kFetch:
@@ -260,7 +260,7 @@ void World::computed(int i, uint32_t slot) {
   }
   Slot s = release_slot(slot);
   const double units = work_units(s.m.type, has_graph(p.book, s.m));
-  std::optional<wire::Message> rep = reply(p.book, s.m, s.fetched, s.compute_s * 1000.0, p.quirks, payloads);
+  std::optional<wire::Message> rep = reply(p.book, s.m, s.fetched, s.compute_s * 1000.0, now, p.quirks, payloads);
   if (rep && !rep->refs.empty() && (s.m.type == wire::MsgType::kBackward || s.m.type == wire::MsgType::kForwardLoss)) {
     // Made and held: pushed at once to the peer the router expects to take the next hop.
     const msg::Hop h = msg::read<msg::Hop>(s.m);

@@ -83,13 +83,30 @@ bool has_graph(const StageBook& b, const wire::Message& m) {
 
 namespace {
 
-void keep_graph(StageBook& b, uint64_t mb) {
-  if (b.cache_entries == 0 || !b.graphs.insert(mb).second) return;
-  b.graph_order.push_back(mb);
-  if (b.graph_order.size() > b.cache_entries) {
-    b.graphs.erase(b.graph_order.front());
-    b.graph_order.erase(b.graph_order.begin());
+void drop_oldest_graph(StageBook& b) {
+  b.graphs.erase(b.graph_order.front().first);
+  b.graph_order.erase(b.graph_order.begin());
+}
+
+void keep_graph(StageBook& b, uint64_t mb, double now) {
+  if (b.graphs.count(mb)) return;
+  while (!b.graph_order.empty() && b.graph_rule.expired(now - b.graph_order.front().second)) drop_oldest_graph(b);
+  switch (b.graph_rule.admit(b.graph_order.size(), b.graph_order.empty() ? 0.0 : now - b.graph_order.front().second)) {
+    case GraphCacheRule::Admit::kSkip: return;
+    case GraphCacheRule::Admit::kEvictOldest: drop_oldest_graph(b); break;
+    case GraphCacheRule::Admit::kKeep: break;
   }
+  b.graphs.insert(mb);
+  b.graph_order.emplace_back(mb, now);
+}
+
+// A backward of `mb`: whether its graph was kept; a used graph leaves the cache.
+bool use_graph(StageBook& b, uint64_t mb, double now) {
+  if (!b.graphs.erase(mb)) return false;
+  const auto it = std::find_if(b.graph_order.begin(), b.graph_order.end(), [&](const auto& e) { return e.first == mb; });
+  b.graph_rule.used(now - it->second);
+  b.graph_order.erase(it);
+  return true;
 }
 
 void load(StageBook& b, const wire::Message& m) {
@@ -100,6 +117,7 @@ void load(StageBook& b, const wire::Message& m) {
   b.job = l.job_id;
   b.graphs.clear();
   b.graph_order.clear();
+  b.graph_rule = GraphCacheRule(b.cache_entries, 120);
   // The codecs its hops answer in; the subspace codec travels bound to the model, as a stage binds it.
   b.act_codec = compression::parse_codec(b.spec.compression.activations);
   b.grad_codec = compression::parse_codec(b.spec.compression.gradients);
@@ -110,7 +128,7 @@ void load(StageBook& b, const wire::Message& m) {
   }
 }
 
-wire::Message hop(StageBook& b, const wire::Message& m, const std::vector<int64_t>& fetched, double compute_ms, Quirks& q,
+wire::Message hop(StageBook& b, const wire::Message& m, const std::vector<int64_t>& fetched, double compute_ms, double now, Quirks& q,
                   Payloads& pay) {
   const JobSpec& s = b.spec;
   const msg::Hop h = msg::read<msg::Hop>(m);
@@ -136,7 +154,7 @@ wire::Message hop(StageBook& b, const wire::Message& m, const std::vector<int64_
   const bool last = h.stage == s.partition.stages - 1;
   wire::Message rep;
   if (m.type == MsgType::kForward || (m.type == MsgType::kEval && !last)) {
-    if (m.type == MsgType::kForward) keep_graph(b, h.mb);
+    if (m.type == MsgType::kForward) keep_graph(b, h.mb, now);
     rep = msg::make(r, m.id, m.attempt);
     rep.tensors.push_back(act(b.act_codec));
   } else if (m.type == MsgType::kEval) {
@@ -146,8 +164,7 @@ wire::Message hop(StageBook& b, const wire::Message& m, const std::vector<int64_
     if (m.type == MsgType::kForwardLoss) {
       r.loss = 2.0;
     } else {
-      r.cached = b.graphs.count(h.mb) > 0;
-      b.graphs.erase(h.mb);
+      r.cached = use_graph(b, h.mb, now);
     }
     r.samples = s.batch.microbatch_size;
     rep = msg::make(r, m.id, m.attempt);
@@ -187,7 +204,7 @@ wire::Message round_part(StageBook& b, const wire::Message& m, Payloads& pay) {
 
 }  // namespace
 
-std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const std::vector<int64_t>& fetched, double compute_ms,
+std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const std::vector<int64_t>& fetched, double compute_ms, double now,
                                    Quirks& q, Payloads& pay) {
   wire::Message rep;
   switch (m.type) {
@@ -203,7 +220,7 @@ std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const s
     }
     case MsgType::kForward: case MsgType::kForwardLoss: case MsgType::kBackward: case MsgType::kEval:
       if (!b.loaded) return msg::error_reply(&m, WireErrc::kOutOfOrder, "no stage loaded");
-      rep = hop(b, m, fetched, compute_ms, q, pay);
+      rep = hop(b, m, fetched, compute_ms, now, q, pay);
       break;
     case MsgType::kStep: {
       msg::Result r;

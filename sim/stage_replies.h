@@ -19,6 +19,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "runtime/graph_cache.h"
 #include "runtime/job_spec.h"
 #include "runtime/messages.h"
 
@@ -61,10 +62,12 @@ struct StageBook {
   // 4 x cache_entries; one whose request went elsewhere is never used).
   std::unordered_map<uint64_t, double> incoming;
   std::vector<uint64_t> incoming_order;
-  // The affinity cache: microbatches whose forward graph it keeps (the newest cache_entries).
+  // The affinity cache: microbatches whose forward graph it keeps, and when each forward ran
+  // (oldest first), under a stage server's rule (runtime/graph_cache.h) and size.
   std::unordered_set<uint64_t> graphs;
-  std::vector<uint64_t> graph_order;
+  std::vector<std::pair<uint64_t, double>> graph_order;   // at most cache_entries
   size_t cache_entries = 64;
+  GraphCacheRule graph_rule{cache_entries, 120};   // swarm-stage's --cache-ttl-s default
 };
 
 // How a peer lies or breaks.
@@ -98,7 +101,7 @@ bool has_graph(const StageBook& b, const wire::Message& m);
 // WELCOME, BYE, CHAOS). `fetched`: bytes fetched peer to peer per request slot (empty: none).
 // `compute_ms`: what the work took, reported in hop RESULTs. A request with `hold` keeps the
 // reply's tensors in `b.held` and answers with references to them.
-std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const std::vector<int64_t>& fetched, double compute_ms,
+std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const std::vector<int64_t>& fetched, double compute_ms, double now,
                                    Quirks& q, Payloads& pay);
 
 // A peer's FETCH {key, part}: FETCHED with the held tensor (shared), or ERROR not_held.

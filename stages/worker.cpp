@@ -10,6 +10,7 @@
 
 #include "compression/codec.h"
 #include "runtime/diloco.h"
+#include "runtime/graph_cache.h"
 #include "runtime/log.h"
 #include "runtime/memory_estimate.h"
 #include "runtime/timing.h"
@@ -214,6 +215,7 @@ struct Worker::Impl {
     if (b.stage >= spec.partition.stages) throw WireError(WireErrc::kMalformed, "stage " + std::to_string(b.stage) + " out of range");
     stats_.ready = false;
     cache_.clear();
+    graph_rule_ = GraphCacheRule(opt_.cache_entries, opt_.cache_ttl_s);
     versions_.reset();
     spec_ = spec;
     job_id_ = b.job_id;
@@ -400,13 +402,20 @@ struct Worker::Impl {
     return rep;
   }
 
+  // Keeps the forward's graph for its backward, as runtime/graph_cache.h decides (the oldest
+  // stay, since their backwards come first).
   void remember(uint64_t mb, uint64_t checksum, torch::Tensor x, torch::Tensor out) {
     const auto now = Clock::now();
+    auto age = [&](const CacheEntry& e) { return std::chrono::duration<double>(now - e.at).count(); };
     for (auto it = cache_.begin(); it != cache_.end();) {
-      if (it->mb == mb || std::chrono::duration<double>(now - it->at).count() > opt_.cache_ttl_s) it = cache_.erase(it);
+      if (it->mb == mb || graph_rule_.expired(age(*it))) it = cache_.erase(it);
       else ++it;
     }
-    while (cache_.size() >= opt_.cache_entries) cache_.pop_front();
+    switch (graph_rule_.admit(cache_.size(), cache_.empty() ? 0.0 : age(cache_.front()))) {
+      case GraphCacheRule::Admit::kSkip: drop_unused_snapshots(); return;
+      case GraphCacheRule::Admit::kEvictOldest: cache_.pop_front(); break;
+      case GraphCacheRule::Admit::kKeep: break;
+    }
     cache_.push_back(CacheEntry{mb, checksum, std::move(x), std::move(out), now, versions_.version()});
     drop_unused_snapshots();
   }
@@ -460,6 +469,7 @@ struct Worker::Impl {
           x = it->input;
           out = it->output;
           cached = true;
+          graph_rule_.used(std::chrono::duration<double>(Clock::now() - it->at).count());
           stale_samples_ += int64_t(versions_.version() - it->version) * x.size(0);
         }
         cache_.erase(it);
@@ -979,7 +989,8 @@ struct Worker::Impl {
   int held_step_ = 0;                      // the latest job step (1-based) whose microbatches this peer ran a backward of
   std::map<int, std::vector<float>> sent_;  // local weights of a fragment when its delta left
   std::unique_ptr<compression::ErrorFeedback> outer_ef_ = std::make_unique<compression::ErrorFeedback>();  // what a lossy outer codec has not sent yet
-  std::list<CacheEntry> cache_;
+  std::list<CacheEntry> cache_;   // oldest first
+  GraphCacheRule graph_rule_{opt_.cache_entries, opt_.cache_ttl_s};
   int64_t stale_samples_ = 0;  // sum over the held samples of the steps between their forward and now
   WeightVersions versions_;   // async: the weights each version's forwards ran on
 };

@@ -211,7 +211,7 @@ void FakeSwarm::answer(FakePeer& p, const wire::Message& m) {
     return;
   }
   const double ms = sim::work_units(m.type, sim::has_graph(p.book, m));
-  if (std::optional<wire::Message> r = sim::reply(p.book, m, fetched, ms, p.quirks, payloads_)) inbox_.emplace_back(p.id, std::move(*r));
+  if (std::optional<wire::Message> r = sim::reply(p.book, m, fetched, ms, now, p.quirks, payloads_)) inbox_.emplace_back(p.id, std::move(*r));
 }
 
 bool FakeSwarm::run(double seconds, const std::function<bool()>& until) {
