@@ -19,21 +19,10 @@ int choose_peer(const std::vector<Candidate>& peers, double units, double affini
   // A backward away from the peer holding the forward's graph recomputes that forward: the
   // extra work is taken from the stage's capacity (and the holder's cached graph is wasted), so
   // it is charged three times against such a peer, and the graph's holder wins unless another
-  // peer is clearly quicker. When no other peer is idle the stage is saturated and that
-  // capacity is its throughput: charged nine times, so only a holder far behind (a straggler)
-  // loses the hop. (At 1,000 simulated peers, three times sent half the backwards of the
-  // saturated stages away from their graphs.)
+  // peer is clearly quicker.
   bool holder = false;
-  double queued = 0;
-  int live = 0;
-  for (const auto& c : peers) {
-    if (c.excluded) continue;
-    holder |= c.affinity;
-    queued += c.queued_units;
-    live++;
-  }
-  const bool saturated = live > 0 && queued >= units * live;
-  const double elsewhere = holder ? units + (saturated ? 8 : 2) * (units - affinity_units) : units;
+  for (const auto& c : peers) holder |= c.affinity && !c.excluded;
+  const double elsewhere = holder ? units + 2 * (units - affinity_units) : units;
   int best = -1;
   double best_ms = std::numeric_limits<double>::infinity();
   for (size_t i = 0; i < peers.size(); ++i) {

@@ -5,8 +5,7 @@
 // of work (an EMA of what the peer delivered; a peer not yet measured enters at the current
 // minimum so that it gets tried). A BACKWARD on the peer that ran the microbatch's forward
 // costs 2 units (its autograd graph is cached); anywhere else 3 (forward recomputed), and
-// the recomputed unit counts three times in the comparison, being capacity the stage loses
-// (nine times when the stage is saturated: its peers have a recompute's work queued on average).
+// the recomputed unit counts three times in the comparison, being capacity the stage loses.
 #pragma once
 
 #include <cstddef>

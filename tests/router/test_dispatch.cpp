@@ -39,17 +39,6 @@ TEST(Dispatch, BackwardStaysWithTheGraphUnlessAnotherPeerIsClearlyQuicker) {
   EXPECT_EQ(choose_peer({peer("other", 1, 10), peer("holder", 0, 10, true, true)}, kBackwardRecomputeUnits, kBackwardCachedUnits), 0);
 }
 
-TEST(Dispatch, ASaturatedStageKeepsBackwardsWithTheirGraphs) {
-  // Every peer has work queued (4 units on average or more, above the 3 a recompute takes): the
-  // stage's capacity is its throughput, and the recompute is charged 8 units, not 2. The
-  // holder's 8 queued + 2 = 10 beat the others' 4 + 3 + 8 = 15 (with 2: 9, and it went away).
-  const std::vector<Candidate> busy = {peer("a", 4, 10), peer("b", 4, 10), peer("c", 4, 10), peer("holder", 8, 10, true)};
-  EXPECT_EQ(choose_peer(busy, kBackwardRecomputeUnits, kBackwardCachedUnits), 3);
-  // A straggling holder still loses it: 20 + 2 against 15.
-  const std::vector<Candidate> straggler = {peer("a", 4, 10), peer("b", 4, 10), peer("c", 4, 10), peer("holder", 20, 10, true)};
-  EXPECT_EQ(choose_peer(straggler, kBackwardRecomputeUnits, kBackwardCachedUnits), 0);
-}
-
 TEST(Dispatch, NoEligiblePeer) {
   EXPECT_EQ(choose_peer({peer("a", 0, 10, false, true)}, kForwardUnits, kBackwardCachedUnits), -1);
   EXPECT_EQ(choose_peer({}, kForwardUnits, kBackwardCachedUnits), -1);
