@@ -444,7 +444,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       if (r.cached.value_or(false)) cached++;
       else recomputed++;
       const double done = r.cached ? (*r.cached ? kBackwardCachedUnits : kBackwardRecomputeUnits) : pd.units;
-      backward_units_[s] = 0.99 * backward_units_[s] + 0.01 * done;
+      backward_units_[s] = 0.95 * backward_units_[s] + 0.05 * done;
       out.trained_stage = f.stage;
       if (f.stage == 0) return complete(HopOutcome::kCompleted);
       put(f.grads[s - 1], take());

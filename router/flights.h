@@ -150,7 +150,9 @@ class Flights {
   // The work a microbatch costs stage `stage` over the 3 units placement counts (forward 1,
   // backward 2 with the forward's graph cached): above 1 where backwards recompute the forward,
   // because the graph was evicted (a deep pipeline's early stages wait long for their backwards)
-  // or the hop went to another peer. A moving average over about the last hundred backwards.
+  // or the hop went to another peer. A moving average over about the last twenty backwards (a
+  // longer one kept the recomputes that follow a move, when the moved peer's graphs are gone,
+  // for a minute and more in a small swarm).
   double work_factor(int stage) const {
     if (stage < 0 || stage >= cfg_.stages - 1) return 1.0;   // the last stage: forward-and-loss, 3 units
     return (kForwardUnits + backward_units_[size_t(stage)]) / (kForwardUnits + kBackwardCachedUnits);
