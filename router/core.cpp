@@ -155,6 +155,15 @@ void RouterCore::Impl::on_hello(Ctx& c, const PeerId& from, const wire::Message&
       return bad(c, from, &m, WireErrc::kForbidden, "a stage server's routing id must be " + routing_id_of(who.key) + ", its key's");
   }
   if (peers.find(from)) peer_dead(c, from, "said HELLO again (restarted)");
+  // Two peers at one listen address would each take the other's tensors for its own (a
+  // reference names its holder by that address). A restarted server with a new routing id gets
+  // in once its old session's liveness runs out; it says HELLO again until then.
+  const Peer* same = nullptr;
+  if (!h.listen.empty()) peers.each_listening_at(h.listen, [&](const Peer& q) { same = &q; });
+  if (same)
+    return reply_error(c, from, &m, WireErrc::kOutOfOrder,
+                       "listen address " + h.listen + " is already advertised by peer " + same->hello.name +
+                           "; give each stage server its own --listen port (or --advertise address); a restarted one is let in once the router stops hearing from its old session");
   if (peers.size() >= opt.max_peers)
     return reply_error(c, from, &m, WireErrc::kTooLarge, "the router has " + std::to_string(peers.size()) + " stage servers, its limit (" +
                                                             std::to_string(opt.max_peers) + "); start another swarm");

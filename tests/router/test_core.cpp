@@ -591,6 +591,36 @@ TEST(CoreBugs, AForeignReplyIsNotCountedAsADuplicate) {
   EXPECT_TRUE(f.logged("which was not sent to it"));
 }
 
+// Two stage servers advertising one listen address would each take the other's tensors for its
+// own (a reference names its holder by address): the second is refused, with what to fix, until
+// the first is gone (a restarted server with a new routing id gets in then).
+TEST(CoreBugs, ASecondPeerAtAListenAddressInUseIsRefusedUntilTheFirstIsGone) {
+  FakeSwarm f;
+  auto hello = [&](const PeerId& id, const std::string& name) {
+    msg::Hello h;
+    h.role = msg::Role::kStage;
+    h.version = wire::kVersion;
+    h.name = name;
+    h.listen = "tcp://10.0.0.7:5555";
+    // The reply's type, and an ERROR's message.
+    for (const auto& x : f.core.on_message(id, msg::make(h, 0), f.now))
+      if (const Send* s = std::get_if<Send>(&x))
+        return std::make_pair(s->msg.type, s->msg.type == MsgType::kError ? msg::read<msg::Error>(s->msg).message : std::string());
+    return std::make_pair(MsgType::kBye, std::string("no reply"));
+  };
+  EXPECT_EQ(hello("id-a", "a").first, MsgType::kWelcome);
+  const auto [type, text] = hello("id-b", "b");
+  ASSERT_EQ(type, MsgType::kError);
+  EXPECT_NE(text.find("tcp://10.0.0.7:5555 is already advertised by peer a"), std::string::npos) << text;
+  EXPECT_NE(text.find("--listen"), std::string::npos) << text;
+  EXPECT_EQ(f.core.peers_json(0, 10, f.now)["peers"].size(), 1u);
+  // The same server saying HELLO again (same routing id) is its restart, not a second peer.
+  EXPECT_EQ(hello("id-a", "a").first, MsgType::kWelcome);
+  f.core.on_message("id-a", msg::make(msg::Bye{}), f.now);
+  EXPECT_EQ(hello("id-b", "b").first, MsgType::kWelcome);
+  EXPECT_EQ(f.core.peers_json(0, 10, f.now)["peers"][0]["name"], "b");
+}
+
 // Protocol v2: a routing id is any bytes and goes back as msgpack bin (WELCOME, PEERS_REPLY);
 // names and logs show it as text; a peer of v1 is told why in an envelope it can read.
 TEST(CoreBugs, BinaryRoutingIdsTravelAsBinAndOldPeersAreToldWhy) {
