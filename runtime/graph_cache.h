@@ -15,6 +15,10 @@
 
 namespace swarm {
 
+// The stage server's cache (StageOptions), which the simulator's peers keep too.
+constexpr size_t kGraphCacheEntries = 64;
+constexpr double kGraphCacheTtlS = 120;
+
 class GraphCacheRule {
  public:
   GraphCacheRule(size_t entries, double ttl_s) : entries_(entries), ttl_s_(ttl_s) {}

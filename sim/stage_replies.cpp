@@ -117,7 +117,7 @@ void load(StageBook& b, const wire::Message& m) {
   b.job = l.job_id;
   b.graphs.clear();
   b.graph_order.clear();
-  b.graph_rule = GraphCacheRule(b.cache_entries, 120);
+  b.graph_rule = GraphCacheRule(b.cache_entries, kGraphCacheTtlS);
   // The codecs its hops answer in; the subspace codec travels bound to the model, as a stage binds it.
   b.act_codec = compression::parse_codec(b.spec.compression.activations);
   b.grad_codec = compression::parse_codec(b.spec.compression.gradients);

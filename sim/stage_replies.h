@@ -66,8 +66,8 @@ struct StageBook {
   // (oldest first), under a stage server's rule (runtime/graph_cache.h) and size.
   std::unordered_set<uint64_t> graphs;
   std::vector<std::pair<uint64_t, double>> graph_order;   // at most cache_entries
-  size_t cache_entries = 64;
-  GraphCacheRule graph_rule{cache_entries, 120};   // swarm-stage's --cache-ttl-s default
+  size_t cache_entries = kGraphCacheEntries;
+  GraphCacheRule graph_rule{cache_entries, kGraphCacheTtlS};
 };
 
 // How a peer lies or breaks.

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "runtime/fault.h"
+#include "runtime/graph_cache.h"
 #include "runtime/precision.h"
 
 namespace swarm {
@@ -41,8 +42,8 @@ struct StageOptions {
   std::string http;            // HOST:PORT for this server's /metrics ("" none); a wildcard host is advertised by host name
   int heartbeat_ms = 500;
   int liveness = 3;            // router silent for liveness * heartbeat_ms -> reconnect
-  size_t cache_entries = 64;   // affinity cache: forward graphs kept for a later BACKWARD
-  double cache_ttl_s = 120;
+  size_t cache_entries = kGraphCacheEntries;   // affinity cache: forward graphs kept for a later BACKWARD
+  double cache_ttl_s = kGraphCacheTtlS;
   std::vector<FaultSpec> faults;  // injected faults, armed at start (none: the injector is inert)
   uint64_t fault_seed = 1;        // every fault's random draws derive from it
 };
