@@ -124,7 +124,7 @@ void Flights::release_all(Ctx& c, Flight& f) {
 
 bool Flights::repair(Flight& f) {
   const size_t s = size_t(f.stage);
-  if (!f.inputs[s].known()) {
+  if (!f.inputs[s].known() && !(s == 0 && cfg_.tokens)) {
     SWARM_CHECK(s > 0, "a microbatch lost its tokens");
     // The stage input is made again by the previous stage's forward; a backward resumes after it.
     if (f.kind == HopKind::kBackward) f.resume_stage = f.stage;
@@ -227,10 +227,14 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   }
   wire::Message m = msg::make(msg_type(f.kind), body, 0, f.attempts);
   m.hold = cfg_.p2p && p.can_hold();
-  c.attach(m, f.inputs[s], 0);
-  // A backward on the peer of the forward finds its input there (it fetched it, or it was pushed).
-  if (!(f.kind == HopKind::kBackward && f.fwd_peer[s] == p.id)) push(c, f, f.inputs[s], p, m);
-  if (!cfg_.echo && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last))) m.tensors.push_back(wire::share(f.targets));
+  if (s == 0 && cfg_.tokens) {
+    m.tensors.push_back(cfg_.tokens(f.index, f.eval, false));
+  } else {
+    c.attach(m, f.inputs[s], 0);
+    // A backward on the peer of the forward finds its input there (it fetched it, or it was pushed).
+    if (!(f.kind == HopKind::kBackward && f.fwd_peer[s] == p.id)) push(c, f, f.inputs[s], p, m);
+  }
+  if (cfg_.tokens && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last))) m.tensors.push_back(cfg_.tokens(f.index, f.eval, true));
   if (f.kind == HopKind::kBackward) {
     c.attach(m, f.grads[s], 1);
     push(c, f, f.grads[s], p, m);
@@ -604,7 +608,7 @@ void Flights::check(const Requests& r) const {
     const auto w = waiting_.find(key);
     SWARM_CHECK(waits == (w != waiting_.end()) && (!waits || w->second == &f), "microbatch " + std::to_string(key) + " is " + (waits ? "not " : "") + "queued to be sent, but " + (waits ? "waits" : "is in flight"));
     SWARM_CHECK(f.stage >= 0 && f.stage < cfg_.stages, "flight at a stage outside the job");
-    SWARM_CHECK(f.inputs[0].bytes.has_value(), "flight without its tokens");
+    SWARM_CHECK(cfg_.tokens || f.inputs[0].bytes.has_value(), "flight without its tokens");
     SWARM_CHECK(f.req_id == 0 || f.upload_req == 0, "a flight both sent and relaying a tensor");
     if (f.upload_req != 0) {
       const Pending* pd = r.find(f.upload_req);

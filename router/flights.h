@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -51,9 +52,10 @@ struct Flight {
   bool eval = false;
   int stage = 0;                      // the stage of the current hop
   HopKind kind = HopKind::kForward;
-  std::vector<Slot> inputs;           // [S] inputs[s]: stage s's input (tokens at 0), once known
+  // [S] inputs[s]: stage s's input, once known. Stage 0's (the tokens) is empty where the job
+  // samples them as they are sent (FlightConfig::tokens).
+  std::vector<Slot> inputs;
   std::vector<Slot> grads;            // [S] grads[s]: the gradient of stage s's output, once known
-  wire::Tensor targets;               // [B, T] the last stage's targets (training and eval)
   std::vector<PeerId> fwd_peer;       // [S] who ran stage s's forward (made inputs[s + 1]; affinity)
   std::vector<PeerId> grad_peer;      // [S] who made grads[s] (stage s + 1's backward or loss)
   bool loss_recorded = false;
@@ -86,6 +88,11 @@ struct FlightConfig {
   // async: microbatches per job step; a backward hop that is the step's last at its stage says
   // so (Hop::closes_step). 0: never.
   int closes_steps_of = 0;
+  // A microbatch's tokens ([B, T] i32; targets: the last stage's targets), sampled each time a
+  // hop carries them: the router keeps no tokens per microbatch in flight (128 KB each at
+  // 8 x 2,048), since sampling is a function of the job's seed and the index. Unset (the
+  // transport benchmark): stage 0's input is inputs[0]'s bytes, and no hop carries targets.
+  std::function<wire::Tensor(uint64_t index, bool eval, bool targets)> tokens;
 };
 
 // What a hop's result did.

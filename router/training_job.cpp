@@ -11,14 +11,9 @@ namespace {
 
 constexpr size_t kMaxHistory = 65536;   // entries the job keeps; a status carries the newest 4096
 
-wire::Tensor tokens_tensor(int B, int T) {
-  return wire::make_tensor(wire::DType::kI32, {B, T}, compression::CodecSpec{}, size_t(B) * size_t(T) * 4);
-}
-
-int32_t* tokens_of(wire::Tensor& t) { return static_cast<int32_t*>(t.data.data()); }
-
-FlightConfig flight_config(uint64_t id, const JobSpec& s) {
+FlightConfig flight_config(uint64_t id, const JobSpec& s, std::function<wire::Tensor(uint64_t, bool, bool)> tokens) {
   FlightConfig f;
+  f.tokens = std::move(tokens);
   f.job = id;
   f.stages = s.partition.stages;
   f.B = s.batch.microbatch_size;
@@ -55,7 +50,7 @@ TrainingJob::TrainingJob(uint64_t id, JobSpec spec)
       stage_cost_(stage_costs_from_params(stage_params_)),
       stage_need_(stage_needs(spec_)),
       total_mbs_(uint64_t(spec_.steps) * uint64_t(M_)),
-      flights_(flight_config(id, spec_)),
+      flights_(flight_config(id, spec_, [this](uint64_t index, bool eval, bool targets) { return tokens(index, eval, targets); })),
       rounds_(id, spec_, stage_params_),
       dur_(id, spec_, stage_params_),
       rng_(spec_.seed) {}
@@ -275,20 +270,22 @@ void TrainingJob::record_loss(Ctx& c, uint64_t index, double loss) {
   step_loss_.erase(step);
 }
 
-void TrainingJob::take(Ctx& c, uint64_t index, bool eval) {
+wire::Tensor TrainingJob::tokens(uint64_t index, bool eval, bool targets) const {
+  SWARM_CHECK(data_ != nullptr, "tokens asked of a job without its data");
   const int B = spec_.batch.microbatch_size, T = spec_.model.seq_len;
-  // The tokens go straight into the tensors the stages receive.
-  wire::Tensor x = tokens_tensor(B, T), y = tokens_tensor(B, T);
-  sample_microbatch_into(*data_, eval ? Split::kVal : Split::kTrain, spec_.seed, index, B, T, tokens_of(x), tokens_of(y));
-  wire::seal(x);
-  wire::seal(y);
+  wire::Tensor t = wire::make_tensor(wire::DType::kI32, {B, T}, compression::CodecSpec{}, size_t(B) * size_t(T) * 4);
+  int32_t* out = static_cast<int32_t*>(t.data.data());
+  sample_microbatch_into(*data_, eval ? Split::kVal : Split::kTrain, spec_.seed, index, B, T, targets ? nullptr : out, targets ? out : nullptr);
+  wire::seal(t);
+  return t;
+}
+
+void TrainingJob::take(Ctx& c, uint64_t index, bool eval) {
   Flight f;
   f.index = index;
   f.eval = eval;
   f.kind = eval ? HopKind::kEval : (S_ == 1 ? HopKind::kForwardLoss : HopKind::kForward);
-  Flight& in = flights_.add(eval ? (kEvalBit | index) : index, std::move(f));
-  in.inputs[0].bytes = std::move(x);
-  in.targets = std::move(y);
+  flights_.add(eval ? (kEvalBit | index) : index, std::move(f));
   if (eval) return;
   taken_++;
   dur_.write_progress(c, steps_done_, taken_, completed_);

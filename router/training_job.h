@@ -32,6 +32,8 @@ namespace swarm::router {
 class TrainingJob : public Job {
  public:
   TrainingJob(uint64_t id, JobSpec spec);
+  TrainingJob(const TrainingJob&) = delete;  // its flights sample tokens through `this`
+  TrainingJob& operator=(const TrainingJob&) = delete;
 
   // The data (and checkpoint) arrived: the job may run.
   void loaded(Ctx& c, const JobLoaded& r);
@@ -75,6 +77,8 @@ class TrainingJob : public Job {
   void on_barrier(Ctx& c);
   void after_step(Ctx& c);
   void take(Ctx& c, uint64_t index, bool eval);
+  // Microbatch `index`'s tokens, or its targets, as a hop carries them (FlightConfig::tokens).
+  wire::Tensor tokens(uint64_t index, bool eval, bool targets) const;
   void record_loss(Ctx& c, uint64_t index, double loss);
   void hop_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m);
   std::string empty_stages(Ctx& c) const;

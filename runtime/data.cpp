@@ -187,8 +187,8 @@ void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, u
     // Multiply-high maps r to [0, n_starts) with a bias below n_starts / 2^64.
     const uint64_t o = uint64_t((unsigned __int128)r * n_starts >> 64);
     const int32_t* src = toks.data() + o;
-    std::copy(src, src + T, x + size_t(s) * T);
-    std::copy(src + 1, src + 1 + T, y + size_t(s) * T);
+    if (x) std::copy(src, src + T, x + size_t(s) * T);
+    if (y) std::copy(src + 1, src + 1 + T, y + size_t(s) * T);
   }
 }
 

@@ -51,8 +51,8 @@ struct Microbatch {
 // generator keyed by (seed, split, index, s). Validation microbatch i is always the same text.
 Microbatch sample_microbatch(const TokenData& data, Split split, uint64_t seed, uint64_t index,
                              int samples, int seq_len);
-// The same tokens written in place: x and y each hold samples * seq_len (the router writes them
-// straight into the tensors it sends).
+// The same tokens written in place: x and y each hold samples * seq_len, or are null where that
+// half is not wanted (the router writes one of them straight into a tensor as it sends it).
 void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, uint64_t index,
                             int samples, int seq_len, int32_t* x, int32_t* y);
 

@@ -144,10 +144,11 @@ TEST(Hetero, RebalancerFixesAMisassignedSwarm) {
   for (const auto& p : peers)
     if (p["name"].get<std::string>().rfind("fast", 0) == 0 && p["stage"] == 0) fast_on_0++;
   EXPECT_LT(fast_on_0, 2) << "both fast peers are on stage 0 at the end: " << peers.dump();
-  // The router's model: the bottleneck rose by more than the rebalancer's margin (it predicts
-  // about +50% here). Measured: up by 10% at least (24-43% in runs on an idle 2-core machine;
-  // the margin absorbs a busy one).
-  EXPECT_GT(routing.value("min_stage_samples_per_s", 0.0), 1.1 * before_min);
+  // The router's model: the bottleneck rose (it predicts about +50% here, and 24-43% in runs on
+  // an idle 2-core machine). Its figures are the peers' measured speeds, which move with the
+  // machine's load: with another test on the other core it rose 5% in a run whose measured rate
+  // rose 59%, so the model is only asked to have risen, and the measured rate to have risen 10%.
+  EXPECT_GT(routing.value("min_stage_samples_per_s", 0.0), before_min);
   ASSERT_GT(before, 0);
   EXPECT_GT(after, 1.1 * before) << "microbatches/s before " << before << ", after " << after;
 }

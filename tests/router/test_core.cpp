@@ -11,6 +11,8 @@
 #include <set>
 
 #include "router/flights.h"
+#include "runtime/data.h"
+#include "runtime/job_spec.h"
 #include "tests/support/fake_swarm.h"
 
 namespace swarm::router {
@@ -84,6 +86,45 @@ TEST(Core, UnderAsyncAStepsLastBackwardAtEachStageClosesTheStep) {
       EXPECT_EQ(v[1].second, schedule == "async") << "stage " << at.first << " step " << at.second;
     }
   }
+}
+
+// The router keeps no tokens per microbatch in flight: it samples them each time a hop carries
+// them, and every hop of a microbatch carries the same ones: its stage-0 forward and backward the
+// microbatch's tokens, its last stage's forward the targets, an evaluation hop the validation split's.
+TEST(Core, EveryHopCarriesTheTokensItsMicrobatchSamples) {
+  FakeSwarm f;
+  two_by_two(f);
+  json spec = FakeSwarm::tiny_spec(2, 4);
+  spec["eval"]["every_steps"] = 2;
+  const uint64_t job = f.submit(f.client(), spec);
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  spec["data"]["path"] = f.data_path();
+  const JobSpec js = parse_job_spec(spec, false);
+  const TokenData data = TokenData::load(js.data, js.model.seq_len, js.model.vocab_size);
+  auto ints = [](const wire::Tensor& t) {
+    const auto* p = static_cast<const int32_t*>(t.data.data());
+    return std::vector<int32_t>(p, p + t.desc.numel());
+  };
+  size_t checked[3] = {0, 0, 0};   // stage-0 hops, targets, evaluation hops
+  for (auto& [id, p] : f.peers)
+    for (const wire::Message& m : p.received) {
+      if (m.type != MsgType::kForward && m.type != MsgType::kBackward && m.type != MsgType::kForwardLoss && m.type != MsgType::kEval) continue;
+      const msg::Hop h = msg::read<msg::Hop>(m);
+      const Microbatch mb = sample_microbatch(data, h.eval ? Split::kVal : Split::kTrain, js.seed, h.mb, js.batch.microbatch_size, js.model.seq_len);
+      if (h.stage == 0) {
+        ASSERT_FALSE(m.tensors.empty());
+        EXPECT_EQ(ints(m.tensors[0]), mb.x) << "microbatch " << h.mb << " at stage 0, message type " << int(m.type);
+        checked[h.eval ? 2 : 0]++;
+      }
+      if (h.stage == 1) {
+        ASSERT_EQ(m.tensors.size() + m.refs.size(), 2u) << "the stage input and the targets";
+        EXPECT_EQ(ints(m.tensors.back()), mb.y) << "microbatch " << h.mb << "'s targets";
+        checked[1]++;
+      }
+    }
+  EXPECT_EQ(checked[0], 2u * 8u);   // a forward and a backward for each of 8 microbatches
+  EXPECT_EQ(checked[1], 8u + checked[2]);
+  EXPECT_GT(checked[2], 0u);
 }
 
 // Under async with more than a job step in flight a DiLoCo round runs alongside training (the

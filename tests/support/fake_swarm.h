@@ -59,6 +59,8 @@ class FakeSwarm {
   // Submits a job spec (JSON) and answers its LoadJob with the bundled test text; returns the
   // job id (0 when refused; the refusal stays in to_clients for last_reply).
   uint64_t submit(const PeerId& client, const nlohmann::json& spec);
+  // The bundled test text a spec with an empty data.path is given.
+  const std::string& data_path() const { return data_path_; }
   // The last message the router sent a client (taken out).
   wire::Message last_reply(const PeerId& client);
 
