@@ -191,7 +191,8 @@ TEST(Hosts, LeftoversOfADeadProcessAreSwept) {
   ASSERT_EQ(run("ip netns add " + ns).first, 0);
   ASSERT_EQ(run("ip link add " + link + " type bridge").first, 0);
   ASSERT_EQ(run("ip link set " + link + " alias swarm-hosts:" + std::to_string(dead)).first, 0);
-  EXPECT_GE(Hosts::sweep_stale(), 2);
+  // Not a count: another test's Hosts, made at the same time, sweeps too and may take some.
+  Hosts::sweep_stale();
   EXPECT_FALSE(ns_exists(ns));
   EXPECT_FALSE(link_exists(link));
   // A live owner's are kept.
