@@ -3,8 +3,8 @@
 //
 // sim_vs_real: the bundled example on 4 stages x 2 peers, run for real (`swarm local`'s
 //   processes, tools/local_swarm.h); each peer's speed, the slower of its own compute figure
-//   (its heartbeat's ms per work unit) and the router's turnaround per unit for it, becomes a
-//   measured profile; the simulator runs the same job on those profiles; its tokens/s / the
+//   (its heartbeat's ms per work unit) and the router's turnaround per unit for it, each its
+//   mean rate over the run, becomes a measured profile; the simulator runs the same job on those profiles; its tokens/s / the
 //   real one.
 // sim_vs_real_hetero: the same with the hetero bench's emulated mix (2 a100-like peers,
 //   --emulate 2, and 6 t4-like, --emulate 8), pinned to the best assignment of that mix
@@ -17,6 +17,7 @@
 //   skips it).
 // lost: the most microbatches lost in any of these runs.
 #include <chrono>
+#include <map>
 #include <cstdlib>
 #include <iostream>
 #include <thread>
@@ -60,7 +61,8 @@ struct RealRun {
     double compute_ms = 0, turnaround_ms = 0;
   };
   double tokens_per_s = 0;
-  std::vector<Peer> peers;
+  std::vector<Peer> peers;        // each peer over the whole run: the harmonic mean of its polled figures
+  std::vector<Peer> last_poll;    // each peer at the last poll (the calibration before; for comparison)
   uint64_t lost = 0;
 };
 
@@ -80,7 +82,15 @@ RealRun real_run(const json& job, const std::vector<RealPeer>& peers) {
   for (int i = 0; i < 400 && c.request_body(wire::MsgType::kPeers, json::object())["peers"].size() < peers.size(); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   const uint64_t id = c.request_body(wire::MsgType::kSubmit, json{{"spec", job}}).at("job_id").get<uint64_t>();
-  // Polled until done; the peers' speeds are read while they work.
+  // Polled until done; the peers' speeds are read while they work. The real tokens/s is the
+  // run's average, so each peer's speed is too: the mean of its polled rates (1 / ms per unit),
+  // not the figure of one moment, which moves with this machine's load.
+  struct Rates {
+    int stage = -1;
+    double compute = 0, turnaround = 0;   // sums of 1 / ms per unit
+    int n = 0;
+  };
+  std::map<std::string, Rates> rates;
   json st;
   RealRun r;
   for (int i = 0; i < 1800; ++i) {
@@ -96,10 +106,20 @@ RealRun real_run(const json& job, const std::vector<RealPeer>& peers) {
         const double turnaround = p.value("turnaround_ms", 0.0);
         if (ms > 0 && p["stage"].get<int>() >= 0) now.push_back({p["stage"].get<int>(), ms, turnaround > 0 ? turnaround : ms});
       }
-      if (now.size() == peers.size()) r.peers = now;
+      if (now.size() == peers.size()) {
+        r.last_poll = now;
+        for (size_t k = 0; k < now.size(); ++k) {
+          Rates& a = rates[peers[k].value("name", std::to_string(k))];
+          if (a.stage != now[k].stage) a = Rates{now[k].stage};   // moved: its figures start again
+          a.compute += 1.0 / now[k].compute_ms;
+          a.turnaround += 1.0 / now[k].turnaround_ms;
+          a.n++;
+        }
+      }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }
+  for (const auto& [name, a] : rates) r.peers.push_back({a.stage, a.n / a.compute, a.n / a.turnaround});
   r.tokens_per_s = st.value("tokens_per_s", 0.0);
   r.lost = st["microbatches"].value("lost", uint64_t(0));
   swarm.stop_all();
@@ -183,13 +203,18 @@ int run_sim_bench(bool as_json) {
     k.ratio = k.real.tokens_per_s > 0 ? k.sim_tps / k.real.tokens_per_s : 0.0;
     // The calibration before turnarounds counted, for comparison: each peer at its compute figure.
     const double compute_only = simulated(job, k.real, true, &lost)["job"].value("tokens_per_s", 0.0);
+    // And before the run's mean: each peer at its figures of the last poll.
+    RealRun at_last = k.real;
+    at_last.peers = k.real.last_poll;
+    const double last_poll = simulated(job, at_last, false, &lost)["job"].value("tokens_per_s", 0.0);
     json measured = json::array();
     for (const RealRun::Peer& p : k.real.peers)
       measured.push_back({{"stage", p.stage}, {"ms_per_unit", p.compute_ms}, {"turnaround_ms", p.turnaround_ms}});
     say(as_json, {{"bench", "sim"}, {"case", name}, {"real_tokens_per_s", k.real.tokens_per_s}, {"sim_tokens_per_s", k.sim_tps},
-                  {"sim_tokens_per_s_compute_only", compute_only}, {"peers", measured}},
+                  {"sim_tokens_per_s_compute_only", compute_only}, {"sim_tokens_per_s_last_poll", last_poll}, {"peers", measured}},
         std::string(name) + ": real " + std::to_string(k.real.tokens_per_s) + " tokens/s, simulated " + std::to_string(k.sim_tps) + " (" +
-            std::to_string(k.ratio) + "; at compute speeds alone " + std::to_string(compute_only) + ")");
+            std::to_string(k.ratio) + "; at compute speeds alone " + std::to_string(compute_only) + ", at the last poll's speeds " +
+            std::to_string(last_poll) + ")");
     cal.push_back(std::move(k));
   }
 
