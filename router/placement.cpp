@@ -539,8 +539,8 @@ std::vector<MemoryShortfall> memory_shortfalls(const Registry& reg) {
     m.largest_peer = largest->id;
     m.largest_bytes = largest->memory_bytes;
     m.reason = "stage " + std::to_string(s) + " needs " + human_bytes(m.need) + ", but the largest peer, " + m.largest_peer + ", has " +
-               human_bytes(m.largest_bytes) + " free: waiting for a peer with more memory (or lower batch.microbatch_size, "
-               "max_inflight or model.precision; docs/gpu.md)";
+               human_bytes(m.largest_bytes) + " free: waiting for a peer with more memory (or lower batch.microbatch_size "
+               "or model.precision; docs/gpu.md)";
     out.push_back(std::move(m));
   }
   return out;
@@ -555,8 +555,10 @@ std::vector<StageNeed> stage_needs(const JobSpec& spec) {
     for (size_t i = 0; i < 3; ++i) {
       const Precision p = pinned == Precision::kAuto ? order[i] : pinned;
       // CUDA peers run the documented CUDA build (libtorch 2.x): scaled-dot-product attention.
-      n.cuda[i] = estimate_stage_memory(spec, s, p, /*flash_attention=*/true, /*cuda=*/true).need_bytes(true);
-      n.cpu[i] = estimate_stage_memory(spec, s, p, /*flash_attention=*/false, /*cuda=*/false).need_bytes(false);
+      // The least a peer must hold: no graph cached (its backwards recompute); a peer with more
+      // memory caches more (the stage server sizes its affinity cache to what it has).
+      n.cuda[i] = estimate_stage_memory(spec, s, p, /*flash_attention=*/true, /*cuda=*/true, /*cache_entries=*/0).need_bytes(true);
+      n.cpu[i] = estimate_stage_memory(spec, s, p, /*flash_attention=*/false, /*cuda=*/false, /*cache_entries=*/0).need_bytes(false);
     }
     out.push_back(n);
   }

@@ -62,7 +62,8 @@ int64_t stage_parameters(const JobSpec& spec, int stage) {
   return p;
 }
 
-StageMemory estimate_stage_memory(const JobSpec& spec, int stage, Precision precision, bool flash_attention, bool cuda) {
+StageMemory estimate_stage_memory(const JobSpec& spec, int stage, Precision precision, bool flash_attention, bool cuda,
+                                  int cache_entries) {
   SWARM_CHECK(precision != Precision::kAuto, "estimate at a resolved precision");
   const ModelSpec& m = spec.model;
   const int S = spec.partition.stages;
@@ -85,18 +86,32 @@ StageMemory estimate_stage_memory(const JobSpec& spec, int stage, Precision prec
   if (first) graph += 8 * N;
   if (last) graph += 4 * N * C + e * N * C + 4 * N * V;
   if (e < 4) graph += e * out.params;  // each forward's compute-type copy of the weights
-  out.inflight = last ? 1 : std::max(1, spec.max_inflight);
+  out.inflight = last ? 1 : std::min(std::max(1, spec.max_inflight), std::max(0, cache_entries) + 1);
   out.graphs = int64_t(out.inflight) * graph;
   if (spec.schedule == Schedule::kAsync && !last) {
     const int per_step = std::max(1, spec.microbatches_per_step());
     const int64_t steps_in_flight = (std::max(1, spec.max_inflight) + per_step - 1) / per_step;
-    out.versions = (steps_in_flight + 3) * 4 * out.params;
+    // A snapshot lives while a cached graph ran on it: no more than the graphs kept.
+    out.versions = (std::min(steps_in_flight, int64_t(out.inflight)) + 3) * 4 * out.params;
   }
 
   int64_t largest = L > 0 ? 4 * C * C : 0;
   if (first || last) largest = std::max(largest, V * C);
   out.transient = 8 * largest + 2 * 4 * e * N * C + (last ? (8 + 2 * e) * N * V : 0);
   return out;
+}
+
+int cache_entries_that_fit(const JobSpec& spec, int stage, Precision precision, bool flash_attention, bool cuda, int64_t free_bytes) {
+  // The need grows with the entries by whole graphs; the largest that fits, found from the top.
+  for (int e = int(kGraphCacheEntries); e >= 0; --e)
+    if (estimate_stage_memory(spec, stage, precision, flash_attention, cuda, e).need_bytes(cuda) <= free_bytes) return e;
+  return -1;
+}
+
+size_t graph_cache_entries(const JobSpec& spec, int stage, Precision precision, bool flash_attention, bool cuda, int64_t free_bytes,
+                           size_t bound) {
+  if (free_bytes < 0) return bound;
+  return std::min(bound, size_t(std::max(0, cache_entries_that_fit(spec, stage, precision, flash_attention, cuda, free_bytes))));
 }
 
 std::string human_bytes(int64_t bytes) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "runtime/graph_cache.h"
 #include "runtime/job_spec.h"
 #include "runtime/precision.h"
 
@@ -29,7 +30,7 @@ struct StageMemory {
   int64_t runtime = 0;          // CUDA context and library workspaces (0 on the CPU)
   // In host RAM whatever the device, in bytes:
   int64_t host = 0;             // θ_g and the outer momentum (fp32), and one flat copy of the weights
-  int inflight = 0;             // graphs counted in `graphs`
+  int inflight = 0;             // graphs counted in `graphs` (the cache's entries and the one computing)
   Precision precision = Precision::kFp32;
 
   // What the device must hold: the sum of the device terms plus a 10% margin for allocator
@@ -47,9 +48,22 @@ int64_t stage_parameters(const JobSpec& spec, int stage);
 
 // `precision` must be resolved (not kAuto); `flash_attention`: the attention keeps no [T, T]
 // matrix (scaled-dot-product attention on a GPU with libtorch 2.x); `cuda`: count the CUDA
-// runtime's own share. Graphs: the job's max_inflight microbatches (the affinity cache and the
-// router's window bound them), one on the last stage (it runs each backward at once).
-StageMemory estimate_stage_memory(const JobSpec& spec, int stage, Precision precision, bool flash_attention, bool cuda);
+// runtime's own share. Graphs: the `cache_entries` the peer's affinity cache keeps plus the one
+// it is computing, never more than the job's max_inflight; one on the last stage (it runs each
+// backward at once). Placement asks with 0 entries (the least a peer must hold: every backward
+// recomputes its forward), a stage server sizes its cache with `cache_entries_that_fit`.
+StageMemory estimate_stage_memory(const JobSpec& spec, int stage, Precision precision, bool flash_attention, bool cuda,
+                                  int cache_entries = int(kGraphCacheEntries));
+
+// The most graphs, up to kGraphCacheEntries, a peer's affinity cache can keep for `stage` with
+// `free_bytes` free (need_bytes(cuda) within it); -1 where the stage does not fit even with none.
+int cache_entries_that_fit(const JobSpec& spec, int stage, Precision precision, bool flash_attention, bool cuda, int64_t free_bytes);
+
+// The size of a peer's affinity cache for `stage`: what fits in `free_bytes`, at most `bound`
+// (the configured size); `bound` where the free memory is unknown (-1). The stage server and
+// the simulator's peers size their caches with it.
+size_t graph_cache_entries(const JobSpec& spec, int stage, Precision precision, bool flash_attention, bool cuda, int64_t free_bytes,
+                           size_t bound = kGraphCacheEntries);
 
 // "1.5 GiB", "812 MiB": bytes for people.
 std::string human_bytes(int64_t bytes);

@@ -4,6 +4,7 @@
 // crashes and restarts, and the scenario's fault events.
 #include <algorithm>
 
+#include "runtime/precision.h"
 #include "runtime/timing.h"
 #include "sim/world.h"
 
@@ -53,6 +54,10 @@ void World::join(int i) {
   p.alive = true;
   p.welcomed = false;
   p.book = StageBook{};
+  // Its affinity cache is sized, at each LOAD_STAGE, to the memory its HELLO says it has.
+  p.book.memory_bytes = sc.groups[size_t(p.group)].says_memory ? p.dev.memory_bytes : -1;
+  p.book.cuda = p.dev.cuda;
+  p.book.precision = parse_precision(p.dev.precision);
   p.quirks = Quirks{};
   p.slow = 1;
   p.corrupt_p = 0;

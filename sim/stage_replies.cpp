@@ -6,6 +6,7 @@
 #include <new>
 
 #include "runtime/diloco.h"
+#include "runtime/memory_estimate.h"
 
 namespace swarm::sim {
 
@@ -117,6 +118,8 @@ void load(StageBook& b, const wire::Message& m) {
   b.job = l.job_id;
   b.graphs.clear();
   b.graph_order.clear();
+  const Precision pin = b.spec.model.precision_pin();
+  b.cache_entries = graph_cache_entries(b.spec, b.stage, pin == Precision::kAuto ? b.precision : pin, b.cuda, b.cuda, b.memory_bytes);
   b.graph_rule = GraphCacheRule(b.cache_entries, kGraphCacheTtlS);
   // The codecs its hops answer in; the subspace codec travels bound to the model, as a stage binds it.
   b.act_codec = compression::parse_codec(b.spec.compression.activations);

@@ -22,6 +22,7 @@
 #include "runtime/graph_cache.h"
 #include "runtime/job_spec.h"
 #include "runtime/messages.h"
+#include "runtime/precision.h"
 
 namespace swarm::sim {
 
@@ -66,8 +67,14 @@ struct StageBook {
   // (oldest first), under a stage server's rule (runtime/graph_cache.h) and size.
   std::unordered_set<uint64_t> graphs;
   std::vector<std::pair<uint64_t, double>> graph_order;   // at most cache_entries
-  size_t cache_entries = kGraphCacheEntries;
+  size_t cache_entries = kGraphCacheEntries;   // sized at each LOAD_STAGE to what fits in `memory_bytes`
   GraphCacheRule graph_rule{cache_entries, kGraphCacheTtlS};
+  // The peer's device, as its stage server would size its cache by it: free memory (-1: unknown,
+  // the cache keeps kGraphCacheEntries), a GPU (scaled-dot-product attention), its own precision
+  // where the job pins none.
+  int64_t memory_bytes = -1;
+  bool cuda = false;
+  Precision precision = Precision::kFp32;
 };
 
 // How a peer lies or breaks.

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -47,6 +48,11 @@ DeviceInfo query_device(const std::string& device) {
   out.free_bytes = mem_available();
   if (out.free_bytes < 0 && avail > 0 && page > 0) out.free_bytes = int64_t(avail) * int64_t(page);
   return out;
+}
+
+int64_t usable_bytes(const DeviceInfo& d, int64_t limit_bytes) {
+  if (limit_bytes < 0) return d.free_bytes;
+  return d.free_bytes < 0 ? limit_bytes : std::min(d.free_bytes, limit_bytes);
 }
 
 }  // namespace swarm

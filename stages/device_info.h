@@ -23,6 +23,10 @@ struct DeviceInfo {
 // `device`: "cpu", "cuda" or "cuda:N".
 DeviceInfo query_device(const std::string& device);
 
+// What a stage server may use of `d`: its free memory, capped at `limit_bytes` (--memory-mb;
+// -1: no cap). -1 when neither is known.
+int64_t usable_bytes(const DeviceInfo& d, int64_t limit_bytes);
+
 // The CUDA runtime's view of device `index` (device_info_cuda.cpp; without SWARM_CUDA an
 // all-unknown answer). Returns false when the runtime cannot answer (no driver, bad index).
 bool query_cuda_device(int index, DeviceInfo* out);

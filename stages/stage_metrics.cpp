@@ -24,6 +24,10 @@ std::string stage_exposition(const StageFigures& f) {
              "Backwards by whether the forward's graph was still cached (affinity) or the forward was recomputed.")
       .sample({{"graph", "cached"}}, double(f.cache_hits))
       .sample({{"graph", "recomputed"}}, double(f.recomputes));
+  if (f.cache_entries >= 0)
+    out.family("swarm_stage_graph_cache_entries", Type::kGauge,
+               "Forward graphs the affinity cache may keep for the loaded stage: what fits in the memory free when it loaded, at most the configured bound.")
+        .sample({}, double(f.cache_entries));
   out.family("swarm_stage_compute_seconds_total", Type::kCounter, "Seconds spent computing hops (emulation padding included).")
       .sample({}, f.compute_s);
   out.family("swarm_stage_seconds_per_unit", Type::kGauge, "Moving average of compute seconds per work unit (forward 1, backward 2.5).")
@@ -73,6 +77,7 @@ StageFigures gather_stage_figures(const SharedStats& stats, const Holdings& hold
   f.backwards = stats.backwards.load();
   f.cache_hits = stats.cache_hits.load();
   f.recomputes = stats.recomputes.load();
+  f.cache_entries = stats.cache_entries.load();
   f.steps = stats.steps.load();
   f.errors = stats.errors.load();
   f.overflows = stats.overflows.load();

@@ -21,6 +21,7 @@ struct StageFigures {
   double seconds_per_unit = 0;           // EMA of compute time per work unit (0: not measured)
   double compute_s = 0;                  // hops' compute time so far [s]
   uint64_t forwards = 0, backwards = 0, cache_hits = 0, recomputes = 0, steps = 0, errors = 0;
+  int64_t cache_entries = -1;            // the affinity cache's size for the loaded stage (-1: none loaded)
   uint64_t overflows = 0, skipped_steps = 0;
   double loss_scale = 0;                 // 0: no loss scaling
   uint64_t queued = 0;                   // requests waiting for the compute thread

@@ -214,7 +214,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     h.device = opt.device;
     h.device_name = device.name;
     h.device_memory_bytes = bytes(device.total_bytes);
-    h.device_memory_free_bytes = bytes(device.free_bytes);
+    h.device_memory_free_bytes = bytes(usable_bytes(device, opt.memory_limit_bytes));
     h.precision = precision_name(own.precision);
     h.stage = opt.stage;
     h.prefer_stage = opt.prefer_stage;

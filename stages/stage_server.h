@@ -42,7 +42,10 @@ struct StageOptions {
   std::string http;            // HOST:PORT for this server's /metrics ("" none); a wildcard host is advertised by host name
   int heartbeat_ms = 500;
   int liveness = 3;            // router silent for liveness * heartbeat_ms -> reconnect
-  size_t cache_entries = kGraphCacheEntries;   // affinity cache: forward graphs kept for a later BACKWARD
+  size_t cache_entries = kGraphCacheEntries;   // affinity cache: forward graphs kept for a later BACKWARD, at most
+                                               // (fewer where the stage leaves too little memory for them)
+  int64_t memory_limit_bytes = -1;             // use at most this much of the device (--memory-mb): what HELLO
+                                               // says is free, and what the affinity cache is sized to; -1: all
   double cache_ttl_s = kGraphCacheTtlS;
   std::vector<FaultSpec> faults;  // injected faults, armed at start (none: the injector is inert)
   uint64_t fault_seed = 1;        // every fault's random draws derive from it

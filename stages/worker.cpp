@@ -16,6 +16,7 @@
 #include "runtime/timing.h"
 #include "stages/attention.h"
 #include "stages/device_codec.h"
+#include "stages/device_info.h"
 #include "stages/liar.h"
 #include "stages/subspace.h"
 #include "stages/model.h"
@@ -215,7 +216,6 @@ struct Worker::Impl {
     if (b.stage >= spec.partition.stages) throw WireError(WireErrc::kMalformed, "stage " + std::to_string(b.stage) + " out of range");
     stats_.ready = false;
     cache_.clear();
-    graph_rule_ = GraphCacheRule(opt_.cache_entries, opt_.cache_ttl_s);
     versions_.reset();
     spec_ = spec;
     job_id_ = b.job_id;
@@ -227,6 +227,10 @@ struct Worker::Impl {
     // Precision (stages/precision.h): the job's pin, else --precision, resolved on this device.
     prec_ = StagePrecision(spec.model, opt_.precision, caps_);
     publish_scale();
+    // The previous stage's model goes first: what is free now is what this stage may use.
+    optim_.reset();
+    model_.reset();
+    graph_rule_ = GraphCacheRule(cache_entries_for(spec, dev), opt_.cache_ttl_s);
     model_ = std::make_unique<StageModel>(spec.model, stage_, spec.partition.stages, spec.first_layer(stage_),
                                           spec.partition.layers_per_stage[size_t(stage_)], spec.seed, dev, prec_.type());
     SWARM_CHECK(model_->num_parameters() == stage_parameter_counts(spec)[size_t(stage_)],
@@ -264,6 +268,25 @@ struct Worker::Impl {
     r.hash = state_hash();
     r.precision = precision_name(prec_.precision());
     return msg::make(r, req.id, req.attempt);
+  }
+
+  // How many graphs the affinity cache keeps for stage_ of `spec`: what fits in the memory free
+  // now (capped by --memory-mb) by the stage's estimate, at most opt_.cache_entries. A graph not
+  // kept costs its backward a recomputed forward; placement asks only that a peer hold the stage
+  // with none kept (runtime/memory_estimate.h).
+  size_t cache_entries_for(const JobSpec& spec, const torch::Device& dev) {
+    const int64_t free_b = usable_bytes(query_device(opt_.device), opt_.memory_limit_bytes);
+    const bool cuda = dev.is_cuda(), flash = cuda && sdpa_available();
+    const size_t entries = graph_cache_entries(spec, stage_, prec_.precision(), flash, cuda, free_b, opt_.cache_entries);
+    stats_.cache_entries = int64_t(entries);
+    if (free_b < 0) return entries;
+    if (cache_entries_that_fit(spec, stage_, prec_.precision(), flash, cuda, free_b) < 0)
+      log_warn("stage", "stage " + std::to_string(stage_) + " needs more than the " + human_bytes(free_b) +
+                            " this peer has free even with no graph cached: loading it anyway, every backward recomputes its forward");
+    else if (entries < opt_.cache_entries)
+      log_info("stage", "affinity cache: " + std::to_string(entries) + " graph(s), what fits in the " + human_bytes(free_b) +
+                            " free (at most " + std::to_string(opt_.cache_entries) + ")");
+    return entries;
   }
 
   // One forward and backward at the job's microbatch shape: the peer's first throughput figure.

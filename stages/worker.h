@@ -39,6 +39,7 @@ struct SharedStats {
   std::atomic<uint64_t> overflows{0}, skipped_steps{0};  // mixed precision (stages/precision.h)
   std::atomic<double> loss_scale{0};                      // 0: no loss scaling
   std::atomic<double> compute_s{0};                       // hops' compute time so far [s] (written by the compute thread only)
+  std::atomic<int64_t> cache_entries{-1};                 // graphs the affinity cache may keep for the loaded stage; -1: none loaded
 };
 
 class Worker {

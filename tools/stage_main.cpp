@@ -64,6 +64,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.1, 3600.0));
   size_t hold_mb = opt.hold_bytes >> 20;
   app.add_option("--hold-mb", hold_mb, "tensors kept for other peers at most [MiB]")->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  double memory_mb = -1;
+  app.add_option("--memory-mb", memory_mb,
+                 "use at most this much of the device's memory [MiB]: the router places by it, and the affinity cache keeps the "
+                 "forward graphs that fit in it (default: all that is free)")
+      ->check(CLI::Range(1.0, 1e9));
   app.add_option("--heartbeat-ms", opt.heartbeat_ms, "heartbeat interval")->capture_default_str();
   app.add_option("--http", opt.http,
                  "serve this server's /metrics (Prometheus) on HOST:PORT, e.g. 0.0.0.0:9100 or 127.0.0.1:0 for a free port; the "
@@ -83,6 +88,7 @@ int main(int argc, char** argv) {
   app.add_option("--router-key", opt.router_key, "the router's public key, or its .pub file (with --key)");
   CLI11_PARSE(app, argc, argv);
   opt.hold_bytes = hold_mb << 20;
+  if (memory_mb > 0) opt.memory_limit_bytes = int64_t(memory_mb * double(1 << 20));
   try {
     swarm::set_log_format(swarm::parse_log_format(log_format));
   } catch (const swarm::InputError& e) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "router/placement.h"
+#include "runtime/memory_estimate.h"
 #include "runtime/errors.h"
 
 using namespace swarm;
@@ -197,6 +198,11 @@ TEST(MemoryPlacement, NeedsOfAJob) {
   const StageNeed p = stage_needs(pinned)[1];
   EXPECT_EQ(p.of(true, Precision::kFp32), n[1].of(true, Precision::kBf16));
   EXPECT_EQ(p.of(true, Precision::kAuto), n[1].of(true, Precision::kBf16));
+  // Placement asks for the least a peer must hold, the stage with no graph cached (its backwards
+  // recompute their forwards); a peer with more memory caches more.
+  EXPECT_EQ(n[1].of(true, Precision::kFp32), estimate_stage_memory(spec, 1, Precision::kFp32, true, true, 0).need_bytes(true));
+  EXPECT_LT(n[1].of(true, Precision::kFp32), estimate_stage_memory(spec, 1, Precision::kFp32, true, true).need_bytes(true));
+  EXPECT_EQ(n[1].of(false, Precision::kFp32), estimate_stage_memory(spec, 1, Precision::kFp32, false, false, 0).need_bytes(false));
 }
 
 }  // namespace

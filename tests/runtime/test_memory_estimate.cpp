@@ -1,6 +1,6 @@
 // test_memory_estimate.cpp: estimate_stage_memory: parameter counts of the GPT-2 small shape,
-// each term by hand on a small job, and how precision, flash attention, the in-flight window and
-// the device kind move the estimate.
+// each term by hand on a small job, how precision, flash attention, the in-flight window and
+// the device kind move the estimate, and how many graphs an affinity cache keeps in the memory free.
 #include <gtest/gtest.h>
 
 #include "runtime/memory_estimate.h"
@@ -73,6 +73,35 @@ TEST(MemoryEstimate, PrecisionFlashWindowAndDevice) {
   s.max_inflight = 2;
   EXPECT_LT(estimate_stage_memory(s, 1, Precision::kFp32, false, true).graphs, f32.graphs);
   EXPECT_NE(b16.describe(true).find("GiB"), std::string::npos);
+}
+
+TEST(MemoryEstimate, TheAffinityCacheIsSizedToTheMemoryFree) {
+  const JobSpec s = gpt2_small("fp32");
+  const auto need = [&](int entries) { return estimate_stage_memory(s, 1, Precision::kFp32, false, false, entries).need_bytes(false); };
+  // Each cached graph adds one graph to what the stage needs; the job's window bounds them.
+  EXPECT_EQ(estimate_stage_memory(s, 1, Precision::kFp32, false, false, 0).inflight, 1);
+  EXPECT_EQ(estimate_stage_memory(s, 1, Precision::kFp32, false, false, 3).inflight, 4);
+  EXPECT_EQ(estimate_stage_memory(s, 1, Precision::kFp32, false, false, 40).inflight, 8);
+  const int64_t graph = need(1) - need(0);
+  EXPECT_GT(graph, 0);
+  // What fits: exactly the entries whose need is within the free bytes.
+  EXPECT_EQ(cache_entries_that_fit(s, 1, Precision::kFp32, false, false, need(0) - 1), -1);
+  EXPECT_EQ(cache_entries_that_fit(s, 1, Precision::kFp32, false, false, need(0)), 0);
+  EXPECT_EQ(cache_entries_that_fit(s, 1, Precision::kFp32, false, false, need(3) + graph / 2), 3);
+  EXPECT_EQ(cache_entries_that_fit(s, 1, Precision::kFp32, false, false, need(7)), int(kGraphCacheEntries));  // the window's 8 fit: all do
+  // The cache's size: at most the configured bound, the bound where the memory is unknown, and
+  // none (not -1) where even the stage alone does not fit.
+  EXPECT_EQ(graph_cache_entries(s, 1, Precision::kFp32, false, false, need(3)), 3u);
+  EXPECT_EQ(graph_cache_entries(s, 1, Precision::kFp32, false, false, need(7), 5), 5u);
+  EXPECT_EQ(graph_cache_entries(s, 1, Precision::kFp32, false, false, -1), kGraphCacheEntries);
+  EXPECT_EQ(graph_cache_entries(s, 1, Precision::kFp32, false, false, need(0) / 2), 0u);
+  // async with 8 job steps in flight: a weight version per step, but only while a cached graph
+  // ran on it, so a small cache keeps fewer.
+  JobSpec deep = s;
+  deep.max_inflight = 64;
+  const int64_t P = stage_parameters(s, 1);
+  EXPECT_EQ(estimate_stage_memory(deep, 1, Precision::kFp32, false, false).versions, (8 + 3) * 4 * P);
+  EXPECT_EQ(estimate_stage_memory(deep, 1, Precision::kFp32, false, false, 1).versions, (2 + 3) * 4 * P);
 }
 
 TEST(MemoryEstimate, HumanBytes) {
