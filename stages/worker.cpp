@@ -8,6 +8,10 @@
 #include <limits>
 #include <thread>
 
+#ifdef SWARM_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 #include "compression/codec.h"
 #include "runtime/diloco.h"
 #include "runtime/graph_cache.h"
@@ -275,6 +279,10 @@ struct Worker::Impl {
   // kept costs its backward a recomputed forward; placement asks only that a peer hold the stage
   // with none kept (runtime/memory_estimate.h).
   size_t cache_entries_for(const JobSpec& spec, const torch::Device& dev) {
+#ifdef SWARM_CUDA
+    // What the previous stage's tensors left in libtorch's caching allocator is free for this one.
+    if (dev.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
     const int64_t free_b = usable_bytes(query_device(opt_.device), opt_.memory_limit_bytes);
     const bool cuda = dev.is_cuda(), flash = cuda && sdpa_available();
     const size_t entries = graph_cache_entries(spec, stage_, prec_.precision(), flash, cuda, free_b, opt_.cache_entries);
