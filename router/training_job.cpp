@@ -366,7 +366,16 @@ void TrainingJob::advance(Ctx& c) {
       const std::string key = empty + "|" + std::to_string(c.peers.size());
       if (key != waiting_key_) {
         waiting_key_ = key;
-        const std::vector<MemoryShortfall> short_of = memory_shortfalls(placement_view(c.peers, c.now));
+        // The peers that could not be placed count too: they are why a stage has no peer when
+        // none can hold it (memory_shortfalls reads their memory only; stage 0 keeps the view valid).
+        swarm::Registry view = placement_view(c.peers, c.now);
+        for (const auto& [pid, p] : c.peers.all())
+          if (p.stage < 0 && p.state == PeerState::kIdle) {
+            PeerView v = view_of(p);
+            v.stage = 0;
+            view.peers.push_back(std::move(v));
+          }
+        const std::vector<MemoryShortfall> short_of = memory_shortfalls(view);
         reason_ = short_of.empty() ? "waiting for peers: stage(s) " + empty + " have no ready peer" : "waiting for memory: " + short_of[0].reason;
       }
       return;

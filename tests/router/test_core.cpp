@@ -343,6 +343,25 @@ TEST(Core, AStageLosingItsLastPeerPausesAndResumesWhenOneJoins) {
   (void)a;
 }
 
+TEST(Core, AJobNoPeerCanHoldSaysWhichStageNeedsMoreMemoryUntilOneJoinsThatCan) {
+  FakeSwarm f;
+  f.peers_memory_bytes = 1000;   // no stage of even the tiny job fits
+  f.join("pinned", 0);
+  f.join("free");
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 4));
+  f.run(1);
+  // Neither peer was placed; the reason is their memory, not a lack of peers.
+  const std::string reason = f.status(job)["reason"];
+  EXPECT_NE(reason.find("waiting for memory: stage 0 needs"), std::string::npos) << f.status(job).dump();
+  EXPECT_NE(reason.find("has 1000 bytes free"), std::string::npos) << reason;
+  EXPECT_TRUE(f.logged("peer pinned pinned stage 0 but its device cannot hold it; it stays idle"));
+  f.peers_memory_bytes = int64_t(1) << 30;
+  f.join("big-0");
+  f.join("big-1");
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); })) << f.status(job).dump();
+  EXPECT_EQ(f.status(job)["microbatches"]["lost"], 0);
+}
+
 TEST(Core, TheFirstStepWaitsForStartPeersThenStartsWithWhatItHas) {
   FakeSwarm f;
   f.join("a0", 0);

@@ -70,6 +70,7 @@ PeerId FakeSwarm::join(const std::string& name, int stage, int prefer, double em
   h.stage = stage;
   h.prefer_stage = prefer;
   h.emulate = emulate;
+  if (peers_memory_bytes >= 0) h.device_memory_bytes = h.device_memory_free_bytes = peers_memory_bytes;
   if (peers_listen) {
     h.listen = "tcp://" + name + ":6000";
     peers.at(id).listen = h.listen;
