@@ -343,11 +343,16 @@ int main(int argc, char** argv) {
       } else {
         std::printf("%-16s %-20s %-6s %-8s %-8s %-7s %-7s %-10s %-8s %s\n", "ID", "NAME", "STAGE", "STATE", "DEVICE", "MEMORY", "FREE",
                     "MS/UNIT", "HOPS", "EMULATED");
-        // GiB, "-" when the peer did not say (FREE: free when it said HELLO, before it loaded a stage).
+        // GiB (MiB under one GiB: a --memory-mb cap), "-" when the peer did not say (FREE: free
+        // when it said HELLO, before it loaded a stage).
         auto gib = [](const json& p, const char* key) {
           const json v = p.value(key, json(nullptr));
           char text[32] = "-";
-          if (v.is_number()) std::snprintf(text, sizeof(text), "%.1fG", v.get<double>() / double(1 << 30));
+          if (v.is_number()) {
+            const double b = v.get<double>();
+            if (b < double(1 << 30)) std::snprintf(text, sizeof(text), "%.0fM", b / double(1 << 20));
+            else std::snprintf(text, sizeof(text), "%.1fG", b / double(1 << 30));
+          }
           return std::string(text);
         };
         for (const auto& p : rep["peers"]) {
