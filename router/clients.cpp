@@ -251,7 +251,8 @@ nlohmann::json RouterCore::peers_json(size_t offset, size_t limit, double now) c
                     {"banned_s", std::max(0.0, p.banned_until_s - now)}, {"last_seen_s", now - p.last_seen_s},
                     {"heartbeat", {{"stage", hb.stage}, {"job_id", hb.job_id}, {"ready", hb.ready}, {"queue", hb.queue},
                                    {"ms_per_unit", hb.ms_per_unit}, {"forwards", hb.forwards}, {"backwards", hb.backwards},
-                                   {"cache_hits", hb.cache_hits}, {"recomputes", hb.recomputes}, {"steps", hb.steps},
+                                   {"cache_hits", hb.cache_hits}, {"recomputes", hb.recomputes},
+                                   {"cache_entries", hb.cache_entries ? nlohmann::json(*hb.cache_entries) : nlohmann::json(nullptr)}, {"steps", hb.steps},
                                    {"errors", hb.errors}, {"overflows", hb.overflows}, {"skipped_steps", hb.skipped_steps},
                                    {"loss_scale", hb.loss_scale}}}});
   }

@@ -108,6 +108,7 @@ struct Welcome {
 struct Heartbeat {
   static constexpr MsgType kType = MsgType::kHeartbeat;
   uint64_t backwards = 0, cache_hits = 0, errors = 0, forwards = 0;
+  std::optional<int64_t> cache_entries;  // graphs its affinity cache may keep for the loaded stage (sized to its memory)
   uint64_t job_id = 0;
   double loss_scale = 0;       // its current loss scale; 0: no loss scaling
   double ms_per_unit = 0;      // the peer's own EMA of compute ms per work unit; 0: not measured
@@ -121,6 +122,7 @@ struct Heartbeat {
   template <class V>
   void visit(V& v) {
     v.field("backwards", backwards, kOptional, kMaxCount);
+    v.field("cache_entries", cache_entries, kOptional, int64_t(0), wire::kIntMax);
     v.field("cache_hits", cache_hits, kOptional, kMaxCount);
     v.field("errors", errors, kOptional, kMaxCount);
     v.field("forwards", forwards, kOptional, kMaxCount);

@@ -110,6 +110,7 @@ void World::heartbeat(int i) {
   hb.stage = p.book.stage;
   hb.job_id = p.book.job;
   hb.ready = p.book.loaded;
+  if (p.book.loaded) hb.cache_entries = int64_t(p.book.cache_entries);
   hb.ms_per_unit = p.ms_per_unit;
   to_router(i, msg::make(hb), now);
 }

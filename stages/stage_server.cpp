@@ -487,6 +487,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       b.backwards = stats.backwards.load();
       b.cache_hits = stats.cache_hits.load();
       b.recomputes = stats.recomputes.load();
+      if (const int64_t e = stats.cache_entries.load(); e >= 0) b.cache_entries = e;
       b.steps = stats.steps.load();
       b.errors = stats.errors.load();
       b.overflows = stats.overflows.load();

@@ -1,7 +1,7 @@
 // test_memory.cpp: a stage server told it has little memory (swarm-stage --memory-mb) keeps only
-// the forward graphs that fit in its affinity cache, says so in HELLO, on /metrics and in its
-// log, and the swarm still trains to the end with nothing lost: the backwards whose graphs were
-// not kept recompute their forwards.
+// the forward graphs that fit in its affinity cache, says so in HELLO, in its heartbeats, on
+// /metrics and in its log, and the swarm still trains to the end with nothing lost: the
+// backwards whose graphs were not kept recompute their forwards.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -78,6 +78,7 @@ TEST(Memory, APeerWithLittleMemoryCachesWhatFitsAndTheSwarmStillTrains) {
   // Its cache held one graph: with several microbatches in flight most backwards recomputed.
   const json& hb = small["heartbeat"];
   EXPECT_GT(hb["recomputes"].get<uint64_t>(), hb["cache_hits"].get<uint64_t>()) << hb.dump();
+  EXPECT_EQ(hb["cache_entries"], 1) << hb.dump();
   ASSERT_FALSE(page.empty());
   EXPECT_EQ(sample(page, "swarm_stage_graph_cache_entries"), 1) << page;
   EXPECT_GT(sample(page, "swarm_stage_backward_graphs_total{graph=\"recomputed\"}"), 0) << page;
