@@ -117,7 +117,9 @@ class Page:
 # What the page shows, read through the DOM in one go.
 STATE_JS = """(() => {
   const q = s => document.querySelector(s), qa = s => [...document.querySelectorAll(s)];
-  if (!q('#job-name')) return null;   // still loading
+  // Still loading, or between two renders of the page (an element may be replaced mid-read).
+  if (['#job-name', '#job-state', '#live', '#step', '#train-loss', '#tokens-per-s', '#loss-chart', '#tps-chart']
+        .some(s => !q(s))) return null;
   return {
     job: q('#job-name').textContent, state: q('#job-state').textContent, live: q('#live').textContent,
     step: q('#step').textContent, train_loss: q('#train-loss').textContent, tokens: q('#tokens-per-s').textContent,
