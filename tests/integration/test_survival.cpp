@@ -136,7 +136,9 @@ TEST(Survival, PeerFrozenForTenSecondsThenResumed) {
 }
 
 TEST(Survival, ZombiePeerThatHeartbeatsButNeverAnswers) {
-  SwarmRun r = run_swarm(data_file(), kSteps, {{"s1-1", {"--fault", "zombie,after=100"}}});
+  // It goes silent on a hop (stage 1 of 2 gets FORWARD_LOSS), so that hop must be re-sent. On
+  // a STEP or a round message instead, no hop would be left waiting on it.
+  SwarmRun r = run_swarm(data_file(), kSteps, {{"s1-1", {"--fault", "zombie,after=100,on=forward_loss"}}});
   expect_survived(r);
   EXPECT_GT(r.status["timeouts"].get<int>(), 0);
   EXPECT_GT(r.status["microbatches"]["resent"].get<int>(), 0);
