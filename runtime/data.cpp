@@ -166,8 +166,11 @@ Microbatch sample_microbatch(const TokenData& data, Split split, uint64_t seed, 
   return mb;
 }
 
-void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, uint64_t index,
-                            int samples, int seq_len, int32_t* x, int32_t* y) {
+namespace {
+
+template <class Out>
+void sample_into(const TokenData& data, Split split, uint64_t seed, uint64_t index, int samples, int seq_len, Out* x,
+                 Out* y) {
   SWARM_CHECK(samples >= 1, "samples must be positive");
   SWARM_CHECK(seq_len >= 1, "seq_len must be positive");
   const std::vector<int32_t>& toks = split == Split::kTrain ? data.train() : data.val();
@@ -190,6 +193,18 @@ void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, u
     if (x) std::copy(src, src + T, x + size_t(s) * T);
     if (y) std::copy(src + 1, src + 1 + T, y + size_t(s) * T);
   }
+}
+
+}  // namespace
+
+void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, uint64_t index,
+                            int samples, int seq_len, int32_t* x, int32_t* y) {
+  sample_into(data, split, seed, index, samples, seq_len, x, y);
+}
+
+void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, uint64_t index,
+                            int samples, int seq_len, uint16_t* x, uint16_t* y) {
+  sample_into(data, split, seed, index, samples, seq_len, x, y);
 }
 
 }  // namespace swarm

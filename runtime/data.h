@@ -55,5 +55,8 @@ Microbatch sample_microbatch(const TokenData& data, Split split, uint64_t seed, 
 // half is not wanted (the router writes one of them straight into a tensor as it sends it).
 void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, uint64_t index,
                             int samples, int seq_len, int32_t* x, int32_t* y);
+// As u16, what the router sends (half the bytes): for a vocabulary of at most 65,536.
+void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, uint64_t index,
+                            int samples, int seq_len, uint16_t* x, uint16_t* y);
 
 }  // namespace swarm

@@ -101,8 +101,11 @@ TEST(Core, EveryHopCarriesTheTokensItsMicrobatchSamples) {
   spec["data"]["path"] = f.data_path();
   const JobSpec js = parse_job_spec(spec, false);
   const TokenData data = TokenData::load(js.data, js.model.seq_len, js.model.vocab_size);
+  // u16 on the wire: every token id of a vocabulary of at most 65,536 fits, in half the bytes.
   auto ints = [](const wire::Tensor& t) {
-    const auto* p = static_cast<const int32_t*>(t.data.data());
+    EXPECT_EQ(t.desc.dtype, wire::DType::kU16);
+    EXPECT_EQ(t.data.size(), size_t(t.desc.numel()) * 2);
+    const auto* p = static_cast<const uint16_t*>(t.data.data());
     return std::vector<int32_t>(p, p + t.desc.numel());
   };
   size_t checked[3] = {0, 0, 0};   // stage-0 hops, targets, evaluation hops
