@@ -25,11 +25,15 @@ msgpack::unpack_limit unpack_limits() {
                                limits::kMaxBinBytes, 0, kMaxDepth);
 }
 
-// Unpacks into `z` (the objects live as long as it does).
+// Strings and bins point into the bytes unpacked instead of being copied into the zone: every
+// caller reads the objects while those bytes live.
+bool refer_to_input(msgpack::type::object_type, size_t, void*) { return true; }
+
+// Unpacks into `z` (the objects live as long as it does, and point into `data`).
 msgpack::object unpack_bounded(msgpack::zone& z, const char* data, size_t size, const char* what) {
   try {
     size_t off = 0;
-    const msgpack::object o = msgpack::unpack(z, data, size, off, nullptr, nullptr, unpack_limits());
+    const msgpack::object o = msgpack::unpack(z, data, size, off, refer_to_input, nullptr, unpack_limits());
     if (off != size) fail_wire(WireErrc::kMalformed, std::string(what) + " has trailing bytes");
     return o;
   } catch (const msgpack::insufficient_bytes&) {

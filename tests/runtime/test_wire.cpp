@@ -379,6 +379,29 @@ TEST(Wire, TypedBodiesCheckEveryField) {
       WireError);
 }
 
+// A body is read field by field in whatever order its keys came in; its strings are read from
+// the message's own bytes (they are not copied while unpacking), and stay right once read.
+TEST(Wire, BodyKeysInAnyOrder) {
+  msgpack::sbuffer b;
+  msgpack::packer<msgpack::sbuffer> pk(b);
+  pk.pack_map(3);
+  pk.pack(std::string("reason"));
+  pk.pack(std::string("going away for maintenance"));
+  pk.pack(std::string("stage"));
+  pk.pack(2);
+  pk.pack(std::string("mb"));
+  pk.pack(7);
+  Message m = msg::make(msg::Result{}, 1);
+  m.body.assign(b.data(), b.size());
+  const msg::Result r = msg::read<msg::Result>(m);
+  EXPECT_EQ(r.mb, 7u);
+  EXPECT_EQ(r.stage, 2);
+  m.type = MsgType::kBye;
+  msg::Bye bye = msg::read<msg::Bye>(m);
+  m.body.assign(m.body.size(), '\0');   // the message's bytes go; what was read stays
+  EXPECT_EQ(bye.reason, "going away for maintenance");
+}
+
 TEST(Wire, ZbytesWithoutZstdIsRefused) {
   Tensor t = make_tensor(DType::kF32, {4}, compression::CodecSpec{}, 16);
   std::memset(t.data.data(), 0, 16);
