@@ -252,6 +252,7 @@ PeerView TrainingJob::placed_view(const Peer& p, const Registry& peers, double n
 PeerView TrainingJob::view_of(const Peer& p) const {
   PeerView v;
   v.id = p.id;
+  v.name = p.hello.name;
   const double ms = p.speed_ms();
   const std::vector<double>& cost = stage_cost_;
   v.speed = ms > 0 && p.stage >= 0 && p.stage < S_ ? peer_speed(ms, cost[size_t(p.stage)], spec_.batch.microbatch_size / 3.0) : 0.0;

@@ -536,7 +536,7 @@ std::vector<MemoryShortfall> memory_shortfalls(const Registry& reg) {
     MemoryShortfall m;
     m.stage = s;
     m.need = need_of(reg, *largest, s);
-    m.largest_peer = largest->id;
+    m.largest_peer = largest->name.empty() ? largest->id : largest->name;
     m.largest_bytes = largest->memory_bytes;
     m.reason = "stage " + std::to_string(s) + " needs " + human_bytes(m.need) + ", but the largest peer, " + m.largest_peer + ", has " +
                human_bytes(m.largest_bytes) + " free: waiting for a peer with more memory (or lower batch.microbatch_size "

@@ -31,7 +31,8 @@ namespace swarm {
 constexpr double kNever = -std::numeric_limits<double>::infinity();
 
 struct PeerView {
-  std::string id;              // unique and stable (the peer's name); the last tie-break
+  std::string id;              // unique and stable (the peer's routing id); the last tie-break
+  std::string name;            // what messages call it (its HELLO name); "": its id
   int stage = -1;              // 0 .. stages-1
   double speed = 0;            // samples/s at stage cost 1; <= 0: not measured (counted at the median)
   bool pinned = false;         // asked for its stage (--stage): never moved
@@ -127,7 +128,7 @@ std::vector<size_t> placement_order(const std::vector<PeerView>& peers);
 struct MemoryShortfall {
   int stage = -1;
   int64_t need = 0;             // bytes the largest peer would need for it
-  std::string largest_peer;     // the peer with the most free memory ("" when no peer is known)
+  std::string largest_peer;     // the peer with the most free memory, by name ("" when no peer is known)
   int64_t largest_bytes = -1;
   std::string reason;           // "stage 3 needs 5.20 GiB, but the largest peer, t4-a, has 4.10 GiB free: ..."
 };

@@ -356,7 +356,7 @@ TEST(Core, AJobNoPeerCanHoldSaysWhichStageNeedsMoreMemoryUntilOneJoinsThatCan) {
   // Neither peer was placed; the reason is their memory, not a lack of peers.
   const std::string reason = f.status(job)["reason"];
   EXPECT_NE(reason.find("waiting for memory: stage 0 needs"), std::string::npos) << f.status(job).dump();
-  EXPECT_NE(reason.find("has 1000 bytes free"), std::string::npos) << reason;
+  EXPECT_NE(reason.find("the largest peer, free, has 1000 bytes free"), std::string::npos) << reason;   // by name
   EXPECT_TRUE(f.logged("peer pinned pinned stage 0 but its device cannot hold it; it stays idle"));
   f.peers_memory_bytes = int64_t(1) << 30;
   f.join("big-0");
