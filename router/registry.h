@@ -30,7 +30,14 @@ enum class PeerState { kIdle, kLoading, kSyncing, kReady, kQuarantined };
 const char* peer_state_name(PeerState s);
 
 struct Peer {
+  // Read for every candidate of every hop (Flights::send_hop, Registry::stage_peers), at 1,000
+  // peers a few dozen peers per hop: kept together with the id, so that a candidate costs one
+  // or two cache lines instead of three (docs/scale.md).
   PeerId id;
+  double queued_units = 0;        // work sent to it and not answered yet
+  double ms_per_unit = 0;         // timing::ema of compute ms per work unit, from its results; 0: not measured
+  double banned_until_s = 0;
+  double unresponsive_until_s = 0;
   uint64_t seq = 0;               // join order, assigned by the router (ties and donors use it, never the id)
   msg::Hello hello;               // what it said about itself (name cut to 64 bytes)
   std::string key;                // its public key (Z85) in a CURVE swarm, else ""
@@ -39,14 +46,10 @@ struct Peer {
   PeerState state = PeerState::kIdle;   // change with Registry::set_state
   double joined_s = 0, last_seen_s = 0;
   double expiry_filed_s = 0;      // the Registry's: the time its liveness entry is filed under
-  double ms_per_unit = 0;         // timing::ema of compute ms per work unit, from its results; 0: not measured
   double turnaround_ms = 0;       // timing::ema of reply latency per unit (its queue and transfers included)
-  double queued_units = 0;        // work sent to it and not answered yet
-  double banned_until_s = 0;
   int bans = 0;
   uint64_t results = 0, failures = 0, integrity_failures = 0, timeouts = 0;
   int timeouts_in_row = 0;        // deadlines passed since its last answer
-  double unresponsive_until_s = 0;
   double last_moved_s = -1e300;   // when the rebalancer last moved it
   int last_from = -1;             // the stage it was last moved from
   msg::Heartbeat heartbeat;       // its last heartbeat
