@@ -35,7 +35,7 @@ Peer& Registry::add(const PeerId& id, const msg::Hello& hello, double now) {
   Peer& added = it->second;
   added.expiry_filed_s = now + window_s_;
   expiry_.emplace(added.expiry_filed_s, &added);
-  by_id_[id] = &added;
+  by_id_.insert(&added);
   index(added);
   if (!added.hello.listen.empty()) by_listen_.emplace(added.hello.listen, &added);
   return added;
@@ -133,24 +133,64 @@ void Registry::check_index() const {
   SWARM_CHECK(n == peers_.size(), "the stage index does not hold every peer");
   SWARM_CHECK(ready_stages == ready_stages_, "the count of stages with a ready peer is off");
   SWARM_CHECK(by_id_.size() == peers_.size(), "the index by id does not hold every peer");
-  for (const auto& [id, p] : peers_) {
-    const auto f = by_id_.find(id);
-    SWARM_CHECK(f != by_id_.end() && f->second == &p, "the index by id points at another record");
-  }
+  for (const auto& [id, p] : peers_) SWARM_CHECK(by_id_.find(id) == &p, "the index by id points at another record");
   size_t listening = 0;
   for (const auto& [id, p] : peers_) listening += !p.hello.listen.empty();
   SWARM_CHECK(listening == by_listen_.size(), "the index by listen address does not hold every listening peer");
   for (const auto& [listen, p] : by_listen_) SWARM_CHECK(p->hello.listen == listen, "peer " + p->hello.name + " changed its listen address");
 }
 
-Peer* Registry::find(const PeerId& id) {
-  auto it = by_id_.find(id);
-  return it == by_id_.end() ? nullptr : it->second;
+Peer* Registry::find(const PeerId& id) { return by_id_.find(id); }
+
+const Peer* Registry::find(const PeerId& id) const { return by_id_.find(id); }
+
+// ---- PeerIndex ----
+
+Peer* PeerIndex::find(const PeerId& id) const {
+  if (n_ == 0) return nullptr;
+  const uint64_t h = std::hash<std::string>{}(id);
+  for (size_t i = home(h);; i = (i + 1) & (slots_.size() - 1)) {
+    const Slot& s = slots_[i];
+    if (!s.peer) return nullptr;
+    if (s.hash == h && s.peer->id == id) return s.peer;
+  }
 }
 
-const Peer* Registry::find(const PeerId& id) const {
-  auto it = by_id_.find(id);
-  return it == by_id_.end() ? nullptr : it->second;
+void PeerIndex::insert(Peer* p) {
+  if (2 * (n_ + 1) > slots_.size()) {
+    std::vector<Slot> old = std::move(slots_);
+    slots_.assign(std::max<size_t>(16, 2 * old.size()), Slot{});
+    n_ = 0;
+    for (const Slot& s : old)
+      if (s.peer) insert(s.peer);
+  }
+  const uint64_t h = std::hash<std::string>{}(p->id);
+  size_t i = home(h);
+  while (slots_[i].peer) i = (i + 1) & (slots_.size() - 1);
+  slots_[i] = Slot{h, p};
+  n_++;
+}
+
+void PeerIndex::erase(const PeerId& id) {
+  if (n_ == 0) return;
+  const size_t mask = slots_.size() - 1;
+  const uint64_t h = std::hash<std::string>{}(id);
+  size_t i = home(h);
+  for (;; i = (i + 1) & mask) {
+    if (!slots_[i].peer) return;
+    if (slots_[i].hash == h && slots_[i].peer->id == id) break;
+  }
+  // Backward shift: each later entry of the run moves into the hole unless its home lies
+  // cyclically in (hole, its slot], so that every entry stays reachable from its home.
+  for (size_t j = (i + 1) & mask; slots_[j].peer; j = (j + 1) & mask) {
+    const size_t k = home(slots_[j].hash);
+    const bool stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+    if (stays) continue;
+    slots_[i] = slots_[j];
+    i = j;
+  }
+  slots_[i] = Slot{};
+  n_--;
 }
 
 std::vector<PeerId> Registry::expired(double now) {

@@ -71,6 +71,27 @@ struct Peer {
   double deadline_ms_per_unit() const { return std::max(ms_per_unit, turnaround_ms); }
 };
 
+// Peers by routing id, for Registry::find: open addressing over (hash, peer) slots in one array,
+// linear probing, at most half full. A std::unordered_map put each entry in a node of its own:
+// the router looks a peer up about six times a message, and with the table cold between messages
+// (a simulated swarm of 1,000 peers) those lookups were two fifths of the core's cache misses.
+class PeerIndex {
+ public:
+  Peer* find(const PeerId& id) const;
+  void insert(Peer* p);            // p->id is not in the index
+  void erase(const PeerId& id);    // no-op when absent
+  size_t size() const { return n_; }
+
+ private:
+  struct Slot {
+    uint64_t hash = 0;
+    Peer* peer = nullptr;          // null: empty
+  };
+  std::vector<Slot> slots_;        // a power of two in size, or empty
+  size_t n_ = 0;
+  size_t home(uint64_t h) const { return size_t(h) & (slots_.size() - 1); }
+};
+
 class Registry {
  public:
   Registry(int heartbeat_ms, int liveness) : window_s_(heartbeat_ms * liveness / 1000.0) {}
@@ -163,7 +184,7 @@ class Registry {
   uint64_t next_seq_ = 1;
   uint64_t bans_total_ = 0;
   std::map<PeerId, Peer> peers_;
-  std::unordered_map<PeerId, Peer*> by_id_;   // find() without walking peers_ (kept in add and remove)
+  PeerIndex by_id_;   // find() without walking peers_ (kept in add and remove)
   // (expiry time as filed, peer) of every peer, ordered by time then id (pointers into peers_,
   // stable until erased). An entry is filed at a time its peer's last_seen_s has since passed
   // when messages came after it: expired() files such entries again as they come due.
