@@ -88,9 +88,9 @@ struct FlightConfig {
   // async: microbatches per job step; a backward hop that is the step's last at its stage says
   // so (Hop::closes_step). 0: never.
   int closes_steps_of = 0;
-  // A microbatch's tokens ([B, T] i32; targets: the last stage's targets), sampled each time a
-  // hop carries them: the router keeps no tokens per microbatch in flight (128 KB each at
-  // 8 x 2,048), since sampling is a function of the job's seed and the index. Unset (the
+  // A microbatch's tokens ([B, T] u16, or i32 above a vocabulary of 65,536; targets: the last
+  // stage's targets), sampled each time a hop carries them: the router keeps no tokens per
+  // microbatch in flight, since sampling is a function of the job's seed and the index. Unset (the
   // transport benchmark): stage 0's input is inputs[0]'s bytes, and no hop carries targets.
   std::function<wire::Tensor(uint64_t index, bool eval, bool targets)> tokens;
 };

@@ -74,7 +74,7 @@ struct Peer {
 // Peers by routing id, for Registry::find: open addressing over (hash, peer) slots in one array,
 // linear probing, at most half full. A std::unordered_map put each entry in a node of its own:
 // the router looks a peer up about six times a message, and with the table cold between messages
-// (a simulated swarm of 1,000 peers) those lookups were two fifths of the core's cache misses.
+// (a simulated swarm of 1,000 peers) those lookups caused two fifths of the core's D1 read misses.
 class PeerIndex {
  public:
   Peer* find(const PeerId& id) const;
