@@ -402,6 +402,165 @@ TEST(Wire, BodyKeysInAnyOrder) {
   EXPECT_EQ(bye.reason, "going away for maintenance");
 }
 
+// A key said twice means two things to two readers: refused, in writer order or any other.
+TEST(Wire, ABodyThatSaysAKeyTwiceIsRefused) {
+  for (const bool sorted : {true, false}) {
+    msgpack::sbuffer b;
+    msgpack::packer<msgpack::sbuffer> pk(b);
+    pk.pack_map(3);
+    for (const char* k : sorted ? std::vector<const char*>{"mb", "mb", "stage"} : std::vector<const char*>{"stage", "mb", "mb"}) {
+      pk.pack(std::string(k));
+      pk.pack(1);
+    }
+    Message m = msg::make(msg::Result{}, 1);
+    m.body.assign(b.data(), b.size());
+    try {
+      msg::read<msg::Result>(m);
+      FAIL() << "read a body with a key twice (sorted " << sorted << ")";
+    } catch (const WireError& e) {
+      EXPECT_EQ(e.code(), WireErrc::kMalformed);
+      EXPECT_NE(std::string(e.what()).find("\"mb\" appears twice"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// The body writer packs every value as msgpack-c does (the smallest encoding; a whole double as
+// an integer), and the reader reads back what any msgpack encoder may write: each integer
+// width, float 32, str 8/16/32, bin, array 16/32, map 16.
+TEST(Wire, BodyBytesAreMsgpackCsAndReadBackAtEveryWidth) {
+  std::mt19937_64 rng(7);
+  std::vector<int64_t> ints{0, 1, 127, 128, 255, 256, 65535, 65536, (int64_t(1) << 32) - 1, int64_t(1) << 32,
+                            -1, -32, -33, -128, -129, -32768, -32769, INT32_MIN, int64_t(INT32_MIN) - 1, INT64_MIN, INT64_MAX};
+  for (int i = 0; i < 200; ++i) ints.push_back(int64_t(rng()) >> (rng() % 64));
+  std::vector<double> doubles{0.0, 1.0, -1.0, 0.5, 1e300, -2.5e-300, 4294967296.0, -9.5, 3.0e18};
+  for (int i = 0; i < 100; ++i) doubles.push_back(std::ldexp(double(int64_t(rng())), int(rng() % 80) - 100));
+  std::vector<std::string> strings;
+  for (size_t n : {0, 1, 31, 32, 255, 256, 65535, 65536}) strings.emplace_back(n, char('a' + n % 26));
+  for (size_t n : {size_t(15), size_t(16), size_t(70000)}) {
+    std::vector<int64_t> xs(n);
+    for (auto& x : xs) x = int64_t(rng() % 100000) - 50000;
+    wire::BodyWriter w;
+    w.field("a_ints", xs);
+    w.field("b_num", int64_t(n));
+    w.field("c_ints", ints);
+    w.field("d_doubles", doubles);
+    w.field("e_strs", strings);
+    w.bytes("f_bin", std::string(300, '\x01'));
+    w.field("g_yes", true);
+    static const char kMore[12][4] = {"h00", "h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08", "h09", "h10", "h11"};
+    for (int k = 0; k < 12; ++k) w.field(kMore[k], int64_t(k));   // 19 fields: a map 16
+    const std::string mine = w.take();
+
+    msgpack::sbuffer b;
+    msgpack::packer<msgpack::sbuffer> pk(b);
+    pk.pack_map(19);
+    pk.pack(std::string("a_ints"));
+    pk.pack(xs);
+    pk.pack(std::string("b_num"));
+    pk.pack(int64_t(n));
+    pk.pack(std::string("c_ints"));
+    pk.pack(ints);
+    pk.pack(std::string("d_doubles"));
+    pk.pack(doubles);
+    pk.pack(std::string("e_strs"));
+    pk.pack(strings);
+    pk.pack(std::string("f_bin"));
+    pk.pack_bin(300);
+    pk.pack_bin_body(std::string(300, '\x01').data(), 300);
+    pk.pack(std::string("g_yes"));
+    pk.pack(true);
+    for (int k = 0; k < 12; ++k) {
+      pk.pack(std::string(kMore[k]));
+      pk.pack(int64_t(k));
+    }
+    EXPECT_EQ(mine, std::string(b.data(), b.size())) << n;
+  }
+
+  // Every width of every kind, as another encoder might choose, reads back.
+  msgpack::sbuffer b;
+  msgpack::packer<msgpack::sbuffer> pk(b);
+  pk.pack_map(16);
+  auto key = [&](const char* k) { pk.pack(std::string(k)); };
+  key("i08"); pk.pack_int8(-5);
+  key("i16"); pk.pack_int16(300);
+  key("i32"); pk.pack_int32(-70000);
+  key("i64"); pk.pack_int64(5);
+  key("u08"); pk.pack_uint8(200);
+  key("u16"); pk.pack_uint16(7);
+  key("u32"); pk.pack_uint32(70000);
+  key("u64"); pk.pack_uint64(uint64_t(1) << 40);
+  key("v_f32"); pk.pack_float(0.25f);
+  key("v_f64"); pk.pack_double(2.5);
+  key("w_str16"); pk.pack_str(300), pk.pack_str_body(std::string(300, 'y').data(), 300);
+  key("w_str8"); pk.pack_str(40), pk.pack_str_body(std::string(40, 'x').data(), 40);
+  key("x_nil"); pk.pack_nil();
+  key("y_arr"); pk.pack_array(2), pk.pack_int16(1), pk.pack_float(2.0f);
+  key("z_json"); pk.pack_map(1), pk.pack(std::string("k")), pk.pack_array(1), pk.pack_uint32(9);
+  key("zz_false"); pk.pack(false);
+  const std::string bytes(b.data(), b.size());
+  wire::BodyReader r(bytes, "TEST");
+  int64_t i = 0;
+  uint64_t u = 0;
+  double d = 0;
+  std::string s;
+  bool yes = true;
+  std::vector<double> arr;
+  json j;
+  r.field("i08", i, wire::kRequired);
+  EXPECT_EQ(i, -5);
+  r.field("i16", i, wire::kRequired);
+  EXPECT_EQ(i, 300);
+  r.field("i32", i, wire::kRequired);
+  EXPECT_EQ(i, -70000);
+  r.field("i64", u, wire::kRequired);   // a signed encoding of a non-negative value
+  EXPECT_EQ(u, 5u);
+  r.field("u08", u, wire::kRequired);
+  EXPECT_EQ(u, 200u);
+  r.field("u16", i, wire::kRequired);
+  EXPECT_EQ(i, 7);
+  r.field("u32", u, wire::kRequired);
+  EXPECT_EQ(u, 70000u);
+  r.field("u64", u, wire::kRequired);
+  EXPECT_EQ(u, uint64_t(1) << 40);
+  r.field("v_f32", d, wire::kRequired, 0, 1);
+  EXPECT_EQ(d, 0.25);
+  r.field("v_f64", d, wire::kRequired, 0, 10);
+  EXPECT_EQ(d, 2.5);
+  r.field("w_str16", s, wire::kRequired, 300);
+  EXPECT_EQ(s, std::string(300, 'y'));
+  r.field("w_str8", s, wire::kRequired, 64);
+  EXPECT_EQ(s, std::string(40, 'x'));
+  EXPECT_FALSE(r.has("x_nil"));
+  r.field("y_arr", arr, wire::kRequired, 4, 0, 10);
+  EXPECT_EQ(arr, (std::vector<double>{1, 2}));
+  r.field("z_json", j);
+  EXPECT_EQ(j, json({{"k", {9}}}));
+  r.field("zz_false", yes);
+  EXPECT_FALSE(yes);
+  EXPECT_EQ(wire::unpack_json(bytes, "TEST")["w_str8"], std::string(40, 'x'));
+}
+
+// Nesting is bounded wherever a body holds free-form JSON: 16 levels read, 17 are refused.
+TEST(Wire, BodyNestingIsBoundedAtSixteen) {
+  auto nested = [](int levels) {
+    json v = 1;
+    for (int k = 0; k < levels; ++k) v = json::array({v});
+    const std::vector<uint8_t> b = json::to_msgpack(json{{"spec", v}});
+    return std::string(b.begin(), b.end());
+  };
+  json j;
+  const std::string fifteen = nested(15), sixteen = nested(16);   // a reader reads the bytes where they lie
+  wire::BodyReader ok(fifteen, "TEST");   // the body's map and 15 levels of arrays: 16
+  ok.field("spec", j);
+  EXPECT_TRUE(j.is_array());
+  try {
+    wire::BodyReader deep(sixteen, "TEST");
+    FAIL() << "read a body nested 17 deep";
+  } catch (const WireError& e) {
+    EXPECT_EQ(e.code(), WireErrc::kTooLarge) << e.what();
+  }
+}
+
 TEST(Wire, ZbytesWithoutZstdIsRefused) {
   Tensor t = make_tensor(DType::kF32, {4}, compression::CodecSpec{}, 16);
   std::memset(t.data.data(), 0, 16);
