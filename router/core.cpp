@@ -32,6 +32,7 @@ uint64_t Ctx::request(Pending p, wire::Message m) {
   if (Peer* peer = peers.find(p.peer)) {
     p.queued = peer->queued_units;
     peer->queued_units += p.units;
+    peer->last_request_s = now;
   }
   const PeerId to = p.peer;
   const uint64_t id = requests.add(std::move(p));
@@ -465,33 +466,52 @@ Actions RouterCore::on_checkpoint_written(CheckpointWritten r, double now) {
   return out;
 }
 
-Actions RouterCore::tick(double now) {
-  Actions out;
-  Ctx c = impl_->ctx(now, out);
-  Impl& I = *impl_;
-  for (const PeerId& id : I.peers.expired(now)) I.peer_dead(c, id, "missed " + std::to_string(I.opt.liveness) + " heartbeats");
-  if (now - I.last_beat_s >= I.opt.heartbeat_ms / 1000.0) {
-    I.last_beat_s = now;
-    out.reserve(out.size() + I.peers.size());
-    for (const auto& [id, p] : I.peers.all()) c.send(id, wire::Message(MsgType::kHeartbeat));
-    for (auto it = I.clients.begin(); it != I.clients.end();) it = now - it->second.last_s > I.opt.client_idle_s ? I.clients.erase(it) : std::next(it);
-  }
-  // What holders may drop, batched per holder once a tick.
+// How often the keys holders may drop go out: a quarter of a second keeps at most that much
+// more held on a peer, against a message per key.
+constexpr double kReleaseEveryS = 0.25;
+
+// RELEASE to each holder what it may drop (in holder order: the same every run).
+void RouterCore::Impl::send_releases(Ctx& c) {
   std::vector<std::pair<const PeerId*, std::vector<int64_t>*>> holders;
-  holders.reserve(I.released.size());
-  for (auto& [holder, keys] : I.released) holders.emplace_back(&holder, &keys);
-  std::sort(holders.begin(), holders.end(), [](const auto& a, const auto& b) { return *a.first < *b.first; });   // the same order every run
+  holders.reserve(released.size());
+  for (auto& [holder, keys] : released) holders.emplace_back(&holder, &keys);
+  std::sort(holders.begin(), holders.end(), [](const auto& a, const auto& b) { return *a.first < *b.first; });
   for (const auto& [holder_ptr, keys_ptr] : holders) {
     const PeerId& holder = *holder_ptr;
     const std::vector<int64_t>& keys = *keys_ptr;
-    if (!I.peers.find(holder)) continue;
+    if (!peers.find(holder)) continue;
     for (size_t at = 0; at < keys.size(); at += msg::Release::kMaxKeys) {
       msg::Release r;
       r.keys.assign(keys.begin() + long(at), keys.begin() + long(std::min(keys.size(), at + msg::Release::kMaxKeys)));
       c.send(holder, msg::make(r));
     }
   }
-  I.released.clear();
+  released.clear();
+}
+
+Actions RouterCore::tick(double now) {
+  Actions out;
+  Ctx c = impl_->ctx(now, out);
+  Impl& I = *impl_;
+  for (const PeerId& id : I.peers.expired(now)) I.peer_dead(c, id, "missed " + std::to_string(I.opt.liveness) + " heartbeats");
+  if (now - I.last_beat_s >= I.opt.heartbeat_ms / 1000.0) {
+    // A stage server counts any message from the router as a sign of life, so a peer sent a
+    // request since the last round needs no heartbeat: in steady training that is nearly every
+    // peer. The longest silence a peer then sees is under two rounds, inside its window of
+    // `liveness` rounds when that is 3 or more; with a shorter window every peer gets every one.
+    const bool skip_busy = I.opt.liveness >= 3;
+    out.reserve(out.size() + I.peers.size());
+    for (const auto& [id, p] : I.peers.all())
+      if (!skip_busy || p.last_request_s <= I.last_beat_s) c.send(id, wire::Message(MsgType::kHeartbeat));
+    I.last_beat_s = now;
+    for (auto it = I.clients.begin(); it != I.clients.end();) it = now - it->second.last_s > I.opt.client_idle_s ? I.clients.erase(it) : std::next(it);
+  }
+  // What holders may drop, batched per holder every kReleaseEveryS: in steady training each
+  // holder sees a release every few ticks, so a batch per tick was a message per key.
+  if (now - I.last_release_s >= kReleaseEveryS) {
+    I.last_release_s = now;
+    I.send_releases(c);
+  }
   // Requests past their deadline are re-sent elsewhere (no ban: the peer may just be slow).
   for (uint64_t rid : I.requests.expired(now)) {
     const Pending* pd = I.requests.find(rid);

@@ -41,6 +41,7 @@ struct RouterCore::Impl {
   uint64_t running = 0;                    // the job that was active after the last event
   uint64_t bad_messages = 0;
   double last_beat_s = -1e300;
+  double last_release_s = -1e300;
   std::unordered_map<PeerId, std::vector<int64_t>> released;   // RELEASE keys per holder, sent by tick (in holder order)
   Events events;                           // the timeline: the status's `events`, /api/events
 
@@ -86,6 +87,7 @@ struct RouterCore::Impl {
   void end_job(Ctx& c, Job& j, JobState st, const std::string& why);
   void drop_requests(Ctx& c, const Job& j);
   void advance_jobs(Ctx& c, bool offer_idle = false);
+  void send_releases(Ctx& c);
 
   // clients.cpp: client requests and job intake.
   void on_submit(Ctx& c, const PeerId& from, const wire::Message& m, const Identity& who);

@@ -38,6 +38,7 @@ struct Peer {
   double ms_per_unit = 0;         // timing::ema of compute ms per work unit, from its results; 0: not measured
   double banned_until_s = 0;
   double unresponsive_until_s = 0;
+  double last_request_s = -1e300;  // when the router last sent it a request (it has heard from the router)
   uint64_t seq = 0;               // join order, assigned by the router (ties and donors use it, never the id)
   msg::Hello hello;               // what it said about itself (name cut to 64 bytes)
   std::string key;                // its public key (Z85) in a CURVE swarm, else ""

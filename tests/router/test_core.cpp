@@ -59,6 +59,43 @@ TEST(Core, TrainsAJobToTheEndWithNothingLost) {
   EXPECT_GT(received(f, "p-a0", MsgType::kRoundReduce) + received(f, "p-a1", MsgType::kRoundReduce), 0u);
 }
 
+// A stage server counts any message from the router as a sign of life (docs/protocol.md), so
+// the router heartbeats only the peers it sent no request since its last round: peers busy
+// training get few heartbeats, and none goes two rounds without hearing from the router. With a
+// liveness under 3 (a window under three rounds) every peer gets every heartbeat.
+TEST(Core, BusyPeersAreNotHeartbeatedButNoneGoesTwoRoundsWithoutWord) {
+  for (const int liveness : {3, 1}) {
+    CoreOptions opt;
+    opt.liveness = liveness;
+    FakeSwarm f(opt);
+    const std::vector<PeerId> ids = two_by_two(f);
+    const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 400));
+    ASSERT_GT(job, 0u);
+    std::map<PeerId, size_t> seen;
+    std::map<PeerId, double> last, longest;
+    for (const PeerId& id : ids) last[id] = f.now;
+    const double start = f.now;
+    while (!done(f, job) && f.now - start < 60) {
+      f.run(0.02);
+      for (const PeerId& id : ids) {
+        if (f.peers.at(id).received.size() == seen[id]) continue;
+        seen[id] = f.peers.at(id).received.size();
+        longest[id] = std::max(longest[id], f.now - last[id]);
+        last[id] = f.now;
+      }
+    }
+    ASSERT_TRUE(done(f, job)) << liveness;
+    const double rounds = (f.now - start) / 0.5;
+    ASSERT_GT(rounds, 10) << "the job should run for a while";
+    for (const PeerId& id : ids) {
+      EXPECT_LE(longest[id], 2 * 0.5 + 0.03) << id << " liveness " << liveness;
+      const size_t beats = received(f, id, MsgType::kHeartbeat);
+      if (liveness >= 3) EXPECT_LT(double(beats), rounds / 2) << id;
+      else EXPECT_GE(double(beats), rounds - 1) << id;
+    }
+  }
+}
+
 // async: the backward that is a job step's last at its stage says so, so that its peer steps at
 // once; the others, and every backward under sync, do not.
 TEST(Core, UnderAsyncAStepsLastBackwardAtEachStageClosesTheStep) {
@@ -775,7 +812,7 @@ TEST(CoreP2p, ActivationsAndGradientsGoPeerToPeerAndEveryHeldTensorIsReleased) {
   three_by_two_p2p(f);
   const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
   ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
-  f.run(0.05);  // the last RELEASEs go out with the next tick
+  f.run(0.3);  // the last RELEASEs go out within a quarter of a second
   const json st = f.status(job);
   EXPECT_EQ(st["microbatches"]["lost"], 0);
   EXPECT_EQ(st["hops"]["mode"], "p2p");
@@ -908,6 +945,7 @@ TEST(CoreP2p, AHolderOthersCannotReachIsRelayedByTheRouter) {
   // Two receivers (b0, b1) could not reach it: it is relayed for good, and says so.
   EXPECT_TRUE(f.logged("peer a0 is relayed from now on"));
   EXPECT_GT(received(f, "p-a0", MsgType::kFetch), 0u);
+  f.run(0.3);   // the last RELEASEs
   EXPECT_EQ(f.peers.at("p-a0").book.held.size(), 0u);
 }
 
@@ -941,7 +979,7 @@ TEST(CoreP2p, EachMemberReducesItsPartOfTheRoundAndNoPeerCarriesMuchMoreThanItsS
   three_by_two_p2p(f);
   const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
   ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
-  f.run(0.05);
+  f.run(0.3);   // the last RELEASEs
   const json st = f.status(job);
   EXPECT_EQ(st["rounds"], 2);
   // Two members per stage: the values are cut in two, one owner per part, each round.
@@ -990,7 +1028,7 @@ TEST(CoreP2p, AJoinerFetchesTheGroupsStateFromADonor) {
   ASSERT_TRUE(f.run(20, [&] { return f.status(job)["rounds"].get<int>() >= 1; }));
   const PeerId joiner = f.join("b2", 1);
   ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
-  f.run(0.05);
+  f.run(0.3);   // the last RELEASEs
   const wire::Message& load = last_of(f, joiner, MsgType::kStateLoad);
   EXPECT_TRUE(load.tensors.empty());
   ASSERT_EQ(load.refs.size(), 2u);
