@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <iterator>
+#include <map>
 
 #include "runtime/client.h"
 #include "runtime/data.h"
@@ -163,11 +165,23 @@ TEST(Durability, StageWhosePeersAllDiedRestartsFromItsSnapshot) {
     EXPECT_EQ(restores[0]["peer"], "s1-new");
     EXPECT_GE(restores[0]["snapshot_step"].get<int>(), 15);  // a round's snapshot, not the initial weights
     EXPECT_GE(restores[0]["lost_steps"].get<int>(), 0);
-    // Training carried on from where it was: no return to a fresh model's loss.
-    const std::vector<double> losses = train_losses(st);
-    double worst_after = 0;
-    for (size_t i = 30; i < losses.size(); ++i) worst_after = std::max(worst_after, losses[i]);
-    EXPECT_LT(worst_after, losses[0] - 1.0) << json(losses).dump();
+    // Training carried on from where it was, not from a fresh model's loss. The first steps after
+    // the restore may spike (to 8.2 once, above the fresh model's 5.6): the restored stage is
+    // `lost_steps` behind the stage that kept its peers, and the two meet again within a few
+    // steps. A fresh stage 1 would take about ten steps to come back down (from scratch the
+    // loss needed ten to reach the snapshot's level); the restored one is back within six.
+    std::map<int, double> loss_at;
+    for (const auto& e : st["history"])
+      if (e.contains("train_loss")) loss_at[e["step"].get<int>()] = e["train_loss"].get<double>();
+    const int snap_step = restores[0]["snapshot_step"].get<int>(), restored_at = restores[0]["step"].get<int>();
+    double before = 0;
+    for (int s = snap_step - 4; s <= snap_step; ++s) before += loss_at.at(s) / 5;
+    double best_after = 1e9;
+    for (int s = restored_at + 1; s <= restored_at + 6; ++s) best_after = std::min(best_after, loss_at.at(s));
+    EXPECT_LT(best_after, before + 0.3) << "restored at step " << restored_at << " from step " << snap_step << ": " << st["history"].dump();
+    double last = 0;
+    for (auto it = loss_at.rbegin(); it != std::next(loss_at.rbegin(), 5); ++it) last += it->second / 5;
+    EXPECT_LT(last, before) << "the last five steps trained no further than the snapshot: " << st["history"].dump();
     EXPECT_LT(st["val_loss"].get<double>(), st["unigram_loss"].get<double>());
     for (auto& s : swarm.stages()) pids.push_back(s.pid);
   }
