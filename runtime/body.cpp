@@ -61,7 +61,7 @@ class In {
   bool done() const { return p_ == end_; }
 
   // Reads one value's header (and a str's or bin's bytes).
-  Item next() {
+  [[gnu::always_inline]] Item next() {
     const uint8_t b = byte();
     if (b <= 0x7f) return uint_item(b);
     if ((b & 0xe0) == 0xa0) return str(Kind::kStr, b & 0x1f);
@@ -70,7 +70,7 @@ class In {
 
   // Reads a string of up to 31 bytes (a fixstr: every key a writer here writes); false, having
   // read nothing, for anything else.
-  bool short_str(std::string_view& out) {
+  [[gnu::always_inline]] bool short_str(std::string_view& out) {
     if (p_ == end_ || (uint8_t(*p_) & 0xe0) != 0xa0) return false;
     const size_t n = uint8_t(*p_) & 0x1f;
     if (size_t(end_ - p_) < 1 + n) truncated();
@@ -157,7 +157,7 @@ class In {
     p_ += bytes;
     return v;
   }
-  static Item uint_item(uint64_t v) {
+  [[gnu::always_inline]] static Item uint_item(uint64_t v) {
     Item it;
     it.kind = Kind::kUint;
     it.u = v;
@@ -326,7 +326,7 @@ namespace {
 // Whether a body's key is the field name `key`: the lengths, then the bytes eight or four at a
 // time (the last word overlapping the one before it).
 template <class Word>
-bool same_words(const char* a, const char* b, size_t n) {
+[[gnu::always_inline]] inline bool same_words(const char* a, const char* b, size_t n) {
   Word x, y;
   for (size_t i = 0; i + sizeof(Word) < n; i += sizeof(Word)) {
     std::memcpy(&x, a + i, sizeof(Word));
@@ -338,7 +338,7 @@ bool same_words(const char* a, const char* b, size_t n) {
   return x == y;
 }
 
-bool key_is(std::string_view k, Key key) {
+[[gnu::always_inline]] inline bool key_is(std::string_view k, Key key) {
   if (k.size() != key.n) return false;
   if (key.n >= 8) return same_words<uint64_t>(k.data(), key.s, key.n);
   if (key.n >= 4) return same_words<uint32_t>(k.data(), key.s, key.n);
@@ -348,8 +348,16 @@ bool key_is(std::string_view k, Key key) {
 }
 }  // namespace
 
-const BodyReader::Field* BodyReader::find(Key key) const {
+inline const BodyReader::Field* BodyReader::present(size_t i) const {
+  return uint8_t(*fields_[i].value) == 0xc0 ? nullptr : &fields_[i];
+}
+
+[[gnu::always_inline]] inline const BodyReader::Field* BodyReader::find(Key key) const {
   if (next_ < n_ && key_is(fields_[next_].key, key)) return present(next_++);
+  return find_anywhere(key);
+}
+
+const BodyReader::Field* BodyReader::find_anywhere(Key key) const {
   for (size_t i = 0; i < n_; ++i)
     if (key_is(fields_[i].key, key)) {
       next_ = i + 1;
@@ -358,9 +366,6 @@ const BodyReader::Field* BodyReader::find(Key key) const {
   return nullptr;
 }
 
-const BodyReader::Field* BodyReader::present(size_t i) const {
-  return uint8_t(*fields_[i].value) == 0xc0 ? nullptr : &fields_[i];
-}
 
 bool BodyReader::has(Key key) const {
   const Field* f = find(key);

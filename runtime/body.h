@@ -94,6 +94,7 @@ class BodyReader {
   static constexpr size_t kInlineFields = 24;   // more than any message type has
 
   const Field* find(Key key) const;
+  const Field* find_anywhere(Key key) const;
   const Field* present(size_t i) const;
 
   const char* what_;
