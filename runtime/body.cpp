@@ -366,7 +366,6 @@ const BodyReader::Field* BodyReader::find_anywhere(Key key) const {
   return nullptr;
 }
 
-
 bool BodyReader::has(Key key) const {
   const Field* f = find(key);
   if (f) next_ = size_t(f - fields_);   // the read that follows finds it first
