@@ -265,7 +265,13 @@ void World::computed(int i, uint32_t slot) {
     return;
   }
   Slot s = release_slot(slot);
-  const double units = work_units(s.m.type, has_graph(p.book, s.m));
+  const bool cached = has_graph(p.book, s.m);
+  const double units = work_units(s.m.type, cached);
+  if (units > 0 && p.book.stage >= 0 && p.book.stage < costs.stages) {
+    const double fwd = costs.fwd_flops[size_t(p.book.stage)];
+    win.hop_flops += units * fwd;
+    if (s.m.type == wire::MsgType::kBackward && !cached) win.recompute_flops += fwd;
+  }
   std::optional<wire::Message> rep = reply(p.book, s.m, s.fetched, s.compute_s * 1000.0, now, p.quirks, payloads);
   if (rep && !rep->refs.empty() && (s.m.type == wire::MsgType::kBackward || s.m.type == wire::MsgType::kForwardLoss)) {
     // Made and held: pushed at once to the peer the router expects to take the next hop.

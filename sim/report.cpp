@@ -9,6 +9,12 @@
 // cached, or the last stage's forward-and-loss 3), so the bound is
 //   sum over live peers of FLOP/s  /  (3 * sum over stages of a forward's FLOPs)  * B * T.
 // No integer assignment of the peers beats it.
+//
+// Where the rest went, per sample: `hop_share` is the FLOPs of the hops the peers computed over
+// the live peers' FLOPs (1 - hop_share: idle, waiting on links, per-request overhead, the rounds'
+// and loads' work), and `recompute_share` the part of it that recomputed a forward whose graph
+// was not cached. Completed microbatches count 3 units a stage, so vs_ideal is about
+// hop_share - recompute_share, less hops whose results were not used (timeouts, duplicates).
 #include <algorithm>
 #include <cstdio>
 
@@ -105,6 +111,10 @@ void World::sample() {
   const uint64_t completed = count(st, "microbatches", "completed");
   const double tokens = completed > win.completed0 ? double(completed - win.completed0) * double(costs.B * costs.T) : 0.0;
   const double tps = dt > 0 ? tokens / dt : 0.0, ideal = dt > 0 ? win.ideal_integral / dt : 0.0;
+  // The live peers' FLOPs over the interval: what the ideal bound turns into tokens.
+  double fwd_sum = 0;
+  for (double f : costs.fwd_flops) fwd_sum += f;
+  const double capacity = win.ideal_integral * 3.0 * fwd_sum / double(costs.B * costs.T);
   int alive = 0;
   for (const SimPeer& p : peers) alive += p.alive;
   nlohmann::json s{{"event", "sample"},
@@ -113,6 +123,8 @@ void World::sample() {
                    {"tokens_per_s", tps},
                    {"ideal_tokens_per_s", ideal},
                    {"vs_ideal", ideal > 0 ? tps / ideal : 0.0},
+                   {"hop_share", capacity > 0 ? win.hop_flops / capacity : 0.0},
+                   {"recompute_share", capacity > 0 ? win.recompute_flops / capacity : 0.0},
                    {"router", router_alive ? "up" : "down"},
                    {"peers_alive", alive}};
   if (st.is_object() && st.contains("state")) {
@@ -129,20 +141,23 @@ void World::sample() {
   s["router_link"] = {{"up_bytes", router_host.up.bytes}, {"down_bytes", router_host.down.bytes}};
   line(s);
   samples.push_back(s);
-  win = Window{now, completed, 0};
+  win = Window{now, completed, 0, 0, 0};
   ideal_mark_s = now;
 }
 
 nlohmann::json World::summary() const {
   nlohmann::json st = router_alive && job_id ? core->status_json(job_id, now) : nlohmann::json();
   // The last simulated hour (or all of a shorter run), time-weighted over the samples in it.
-  double tok = 0, ideal = 0, span = 0;
+  double tok = 0, ideal = 0, span = 0, hop = 0, recompute = 0;
   const double from = std::max(0.0, now - 3600.0);
   for (const auto& s : samples) {
     const double t = s["t_s"].get<double>(), w = s["window_s"].get<double>();
     if (t - w < from - 1e-9) continue;
+    const double capacity = s["ideal_tokens_per_s"].get<double>() * w;
     tok += s["tokens_per_s"].get<double>() * w;
-    ideal += s["ideal_tokens_per_s"].get<double>() * w;
+    ideal += capacity;
+    hop += s.value("hop_share", 0.0) * capacity;
+    recompute += s.value("recompute_share", 0.0) * capacity;
     span += w;
   }
   const uint64_t taken = count(st, "microbatches", "taken"), completed = count(st, "microbatches", "completed");
@@ -179,7 +194,8 @@ nlohmann::json World::summary() const {
           {"peers", peers.size()},
           {"job", job},
           {"last_hour", {{"from_s", now - span}, {"tokens_per_s", span > 0 ? tok / span : 0.0}, {"ideal_tokens_per_s", span > 0 ? ideal / span : 0.0},
-                         {"vs_ideal", ideal > 0 ? tok / ideal : 0.0}}},
+                         {"vs_ideal", ideal > 0 ? tok / ideal : 0.0}, {"hop_share", ideal > 0 ? hop / ideal : 0.0},
+                         {"recompute_share", ideal > 0 ? recompute / ideal : 0.0}}},
           {"paused", {{"times", pauses}, {"total_s", paused_total_s + (paused_since >= 0 ? now - paused_since : 0.0)}}},
           {"faults", {{"crashes", crashes}, {"rejoins", rejoins}, {"router_restarts", router_restarts}, {"corrupt_replies", corrupt_sent}}},
           {"traffic", {{"router_link", {{"up_bytes", router_host.up.bytes}, {"down_bytes", router_host.down.bytes},

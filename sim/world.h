@@ -105,6 +105,9 @@ struct Window {                          // one sample interval's counters
   double t0 = 0;
   uint64_t completed0 = 0;
   double ideal_integral = 0;             // the ideal bound integrated over the interval [tokens]
+  // Where the swarm's capacity went (report.cpp): FLOPs of the hops computed in the interval, and
+  // the part of them that was a backward recomputing its forward (its graph was not cached).
+  double hop_flops = 0, recompute_flops = 0;
 };
 
 class World {

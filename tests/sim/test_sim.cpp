@@ -143,6 +143,16 @@ TEST(Sim, APeerWithLittleMemoryCachesFewerGraphsAndRecomputes) {
   // A recomputed forward adds a unit to a 2.5-unit backward on stages 0-2: the run is longer.
   EXPECT_GT(b.summary["virtual_s"].get<double>(), 1.1 * a.summary["virtual_s"].get<double>())
       << a.summary["virtual_s"] << " vs " << b.summary["virtual_s"];
+  // Where the peers' capacity went says so: the tight swarm spent a share of it recomputing
+  // forwards (a tenth of its hops' FLOPs here), the roomy one next to none; neither delivered more than the hops it computed.
+  const nlohmann::json& ra = a.summary["last_hour"];
+  const nlohmann::json& rb = b.summary["last_hour"];
+  EXPECT_LT(ra["recompute_share"].get<double>(), 0.01) << ra.dump();
+  EXPECT_GT(rb["recompute_share"].get<double>(), 0.05 * rb["hop_share"].get<double>()) << rb.dump();
+  for (const nlohmann::json* r : {&ra, &rb}) {
+    EXPECT_LE((*r)["hop_share"].get<double>(), 1.0) << r->dump();
+    EXPECT_LE((*r)["vs_ideal"].get<double>(), (*r)["hop_share"].get<double>() - (*r)["recompute_share"].get<double>() + 0.02) << r->dump();
+  }
 }
 
 TEST(Sim, EveryScenarioOfTheCorpusMeetsItsExpectations) {
