@@ -158,6 +158,9 @@ json simulated(const json& job, const RealRun& real, bool compute_only, uint64_t
 struct ScaleRun {
   json summary, perf;
   double vs_ideal = 0;
+  // Over the same half, the share of the live peers' FLOPs that went to hops, and to forwards
+  // recomputed for backwards whose graph was not cached (sim/report.cpp).
+  double hop_share = 0, recompute_share = 0;
 };
 
 ScaleRun scale_run(const std::string& file, double seconds) {
@@ -169,13 +172,16 @@ ScaleRun scale_run(const std::string& file, double seconds) {
     if (j.value("event", std::string()) == "sample") samples.push_back(j);
   };
   const sim::SimResult r = sim::simulate(s, o);
-  double tok = 0, ideal = 0;
+  double tok = 0, ideal = 0, hop = 0, recompute = 0;
   for (const json& j : samples) {
     if (j["t_s"].get<double>() - j["window_s"].get<double>() < s.duration_s / 2 - 1e-9) continue;
+    const double w = j["ideal_tokens_per_s"].get<double>() * j["window_s"].get<double>();   // the capacity's weight
     tok += j["tokens_per_s"].get<double>() * j["window_s"].get<double>();
-    ideal += j["ideal_tokens_per_s"].get<double>() * j["window_s"].get<double>();
+    ideal += w;
+    hop += j.value("hop_share", 0.0) * w;
+    recompute += j.value("recompute_share", 0.0) * w;
   }
-  return ScaleRun{r.summary, r.perf, ideal > 0 ? tok / ideal : 0.0};
+  return ScaleRun{r.summary, r.perf, ideal > 0 ? tok / ideal : 0.0, ideal > 0 ? hop / ideal : 0.0, ideal > 0 ? recompute / ideal : 0.0};
 }
 
 }  // namespace
@@ -223,10 +229,12 @@ int run_sim_bench(bool as_json) {
   const double seconds = env ? std::atof(env) : 600.0;
   const ScaleRun k1 = scale_run("swarm_1000.json", seconds);
   lost = std::max(lost, k1.summary["job"]["microbatches"].value("lost", uint64_t(0)));
-  say(as_json, {{"bench", "sim"}, {"case", "swarm_1000"}, {"virtual_s", seconds}, {"vs_ideal_second_half", k1.vs_ideal}, {"summary", k1.summary}, {"perf", k1.perf}},
+  say(as_json, {{"bench", "sim"}, {"case", "swarm_1000"}, {"virtual_s", seconds}, {"vs_ideal_second_half", k1.vs_ideal}, {"hop_share_second_half", k1.hop_share},
+                 {"recompute_share_second_half", k1.recompute_share}, {"summary", k1.summary}, {"perf", k1.perf}},
       "1,000 peers, " + std::to_string(int(seconds)) + " virtual s: " + std::to_string(k1.vs_ideal) + " of the ideal over the second half; core " +
           std::to_string(k1.perf.value("core_events_per_cpu_s", 0.0)) + " events per CPU s; " + std::to_string(k1.perf.value("virtual_per_wall", 0.0)) +
-          " virtual s per wall s");
+          " virtual s per wall s; of the peers' FLOPs " + std::to_string(k1.hop_share) + " went to hops, " +
+          std::to_string(k1.recompute_share) + " of them to recomputed forwards");
   // The 10,000-peer run makes about 1.4 virtual seconds per wall second here (docs/scale.md):
   // SWARM_SIM_BENCH_10000=0 leaves it out.
   ScaleRun k10;
@@ -250,7 +258,7 @@ int run_sim_bench(bool as_json) {
                  {"lost", {{"value", lost}, {"target", "0"}}}}},
                {"raw", {{"real_tokens_per_s", cal[0].real.tokens_per_s}, {"sim_tokens_per_s", cal[0].sim_tps},
                         {"hetero_real_tokens_per_s", cal[1].real.tokens_per_s}, {"hetero_sim_tokens_per_s", cal[1].sim_tps}, {"sim_1000_virtual_s", seconds},
-                        {"perf_1000", k1.perf}, {"perf_10000", k10.perf}, {"last_hour_1000", k1.summary["last_hour"]}}}};
+                        {"sim_1000_hop_share", k1.hop_share}, {"sim_1000_recompute_share", k1.recompute_share}, {"perf_1000", k1.perf}, {"perf_10000", k10.perf}, {"last_hour_1000", k1.summary["last_hour"]}}}};
   std::cout << (as_json ? summary.dump() : summary.dump(2)) << std::endl;
   return 0;
 }
