@@ -73,6 +73,7 @@ void World::join(int i) {
   }
   ideal_changed();
   ideal_flops += p.dev.flops;
+  group_alive[size_t(p.group)]++;
   hello(i);
   // Heartbeats at the router's pace, from a phase of its own.
   schedule(now + rng.uniform(0.5, 1.0) * sc.heartbeat_ms / 1000.0, Ev::kHeartbeat, i);
@@ -90,6 +91,7 @@ void World::crash(int i, const std::string& why, double rejoin_after_s) {
   crashes++;
   ideal_changed();
   ideal_flops -= p.dev.flops;
+  group_alive[size_t(p.group)]--;
   line({{"event", "crash"}, {"t_s", now}, {"peer", p.name}, {"id", p.id}, {"stage", p.book.stage}, {"why", why}});
   p.alive = false;
   p.session++;            // its queued work, its timers and what it was sending die with it
@@ -265,6 +267,7 @@ void World::computed(int i, uint32_t slot) {
     return;
   }
   Slot s = release_slot(slot);
+  win.group_busy_s[size_t(p.group)] += s.compute_s;
   const bool cached = has_graph(p.book, s.m);
   const double units = work_units(s.m.type, cached);
   if (units > 0 && p.book.stage >= 0 && p.book.stage < costs.stages) {

@@ -15,6 +15,8 @@
 // and loads' work), and `recompute_share` the part of it that recomputed a forward whose graph
 // was not cached. Completed microbatches count 3 units a stage, so vs_ideal is about
 // hop_share - recompute_share, less hops whose results were not used (timeouts, duplicates).
+// `busy` says, per peer group, the share of its live peers' time spent computing (hops, loads,
+// rounds): a group well below the others is starved by the pipeline or by its links.
 #include <algorithm>
 #include <cstdio>
 
@@ -53,6 +55,7 @@ double World::ideal_tokens_per_s() const {
 
 void World::ideal_changed() {
   win.ideal_integral += ideal_tokens_per_s() * (now - ideal_mark_s);
+  for (size_t g = 0; g < group_alive.size(); ++g) win.group_alive_s[g] += double(group_alive[g]) * (now - ideal_mark_s);
   ideal_mark_s = now;
 }
 
@@ -117,6 +120,10 @@ void World::sample() {
   const double capacity = win.ideal_integral * 3.0 * fwd_sum / double(costs.B * costs.T);
   int alive = 0;
   for (const SimPeer& p : peers) alive += p.alive;
+  // The share of each group's live time its peers spent computing (1 - it: idle or waiting).
+  nlohmann::json busy = nlohmann::json::object();
+  for (size_t g = 0; g < sc.groups.size(); ++g)
+    busy[sc.groups[g].name] = win.group_alive_s[g] > 0 ? win.group_busy_s[g] / win.group_alive_s[g] : 0.0;
   nlohmann::json s{{"event", "sample"},
                    {"t_s", now},
                    {"window_s", dt},
@@ -125,6 +132,7 @@ void World::sample() {
                    {"vs_ideal", ideal > 0 ? tps / ideal : 0.0},
                    {"hop_share", capacity > 0 ? win.hop_flops / capacity : 0.0},
                    {"recompute_share", capacity > 0 ? win.recompute_flops / capacity : 0.0},
+                   {"busy", busy},
                    {"router", router_alive ? "up" : "down"},
                    {"peers_alive", alive}};
   if (st.is_object() && st.contains("state")) {
@@ -141,7 +149,8 @@ void World::sample() {
   s["router_link"] = {{"up_bytes", router_host.up.bytes}, {"down_bytes", router_host.down.bytes}};
   line(s);
   samples.push_back(s);
-  win = Window{now, completed, 0, 0, 0};
+  sampled.push_back(std::move(win));
+  win = Window{now, completed, 0, 0, 0, std::vector<double>(sc.groups.size(), 0.0), std::vector<double>(sc.groups.size(), 0.0)};
   ideal_mark_s = now;
 }
 
@@ -149,8 +158,10 @@ nlohmann::json World::summary() const {
   nlohmann::json st = router_alive && job_id ? core->status_json(job_id, now) : nlohmann::json();
   // The last simulated hour (or all of a shorter run), time-weighted over the samples in it.
   double tok = 0, ideal = 0, span = 0, hop = 0, recompute = 0;
+  std::vector<double> alive_s(sc.groups.size(), 0.0), busy_s(sc.groups.size(), 0.0);
   const double from = std::max(0.0, now - 3600.0);
-  for (const auto& s : samples) {
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const nlohmann::json& s = samples[i];
     const double t = s["t_s"].get<double>(), w = s["window_s"].get<double>();
     if (t - w < from - 1e-9) continue;
     const double capacity = s["ideal_tokens_per_s"].get<double>() * w;
@@ -159,7 +170,13 @@ nlohmann::json World::summary() const {
     hop += s.value("hop_share", 0.0) * capacity;
     recompute += s.value("recompute_share", 0.0) * capacity;
     span += w;
+    for (size_t g = 0; g < sc.groups.size(); ++g) {
+      alive_s[g] += sampled[i].group_alive_s[g];
+      busy_s[g] += sampled[i].group_busy_s[g];
+    }
   }
+  nlohmann::json busy = nlohmann::json::object();
+  for (size_t g = 0; g < sc.groups.size(); ++g) busy[sc.groups[g].name] = alive_s[g] > 0 ? busy_s[g] / alive_s[g] : 0.0;
   const uint64_t taken = count(st, "microbatches", "taken"), completed = count(st, "microbatches", "completed");
   const uint64_t in_flight = count(st, "microbatches", "in_flight");
   uint64_t peer_bytes = 0;
@@ -195,7 +212,7 @@ nlohmann::json World::summary() const {
           {"job", job},
           {"last_hour", {{"from_s", now - span}, {"tokens_per_s", span > 0 ? tok / span : 0.0}, {"ideal_tokens_per_s", span > 0 ? ideal / span : 0.0},
                          {"vs_ideal", ideal > 0 ? tok / ideal : 0.0}, {"hop_share", ideal > 0 ? hop / ideal : 0.0},
-                         {"recompute_share", ideal > 0 ? recompute / ideal : 0.0}}},
+                         {"recompute_share", ideal > 0 ? recompute / ideal : 0.0}, {"busy", busy}}},
           {"paused", {{"times", pauses}, {"total_s", paused_total_s + (paused_since >= 0 ? now - paused_since : 0.0)}}},
           {"faults", {{"crashes", crashes}, {"rejoins", rejoins}, {"router_restarts", router_restarts}, {"corrupt_replies", corrupt_sent}}},
           {"traffic", {{"router_link", {{"up_bytes", router_host.up.bytes}, {"down_bytes", router_host.down.bytes},

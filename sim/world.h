@@ -108,6 +108,9 @@ struct Window {                          // one sample interval's counters
   // Where the swarm's capacity went (report.cpp): FLOPs of the hops computed in the interval, and
   // the part of them that was a backward recomputing its forward (its graph was not cached).
   double hop_flops = 0, recompute_flops = 0;
+  // Per peer group: its live peers' seconds, and the seconds they spent computing (hops, loads,
+  // rounds; counted when the work ends).
+  std::vector<double> group_alive_s, group_busy_s;
 };
 
 class World {
@@ -203,8 +206,10 @@ class World {
   uint64_t peak_held_bytes = 0;                      // the most one peer held for others [bytes]
   double ideal_flops = 0;                            // sum of the effective FLOP/s of live peers
   double ideal_mark_s = 0;
+  std::vector<int> group_alive;                      // live peers per group
   Window win;
   std::vector<nlohmann::json> samples;               // kept for the summary's last-hour figures
+  std::vector<Window> sampled;                       // each sample's counters, in the same order
   // Perf (not in the trace).
   uint64_t core_events = 0, sim_events = 0;
   double core_cpu_s = 0;

@@ -3,6 +3,7 @@
 // scenarios are checked field by field, and every scenario of the regression corpus
 // (examples/sim/*.json) meets its own `expect`; a link shares its rate between transfers.
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -153,6 +154,29 @@ TEST(Sim, APeerWithLittleMemoryCachesFewerGraphsAndRecomputes) {
     EXPECT_LE((*r)["hop_share"].get<double>(), 1.0) << r->dump();
     EXPECT_LE((*r)["vs_ideal"].get<double>(), (*r)["hop_share"].get<double>() - (*r)["recompute_share"].get<double>() + 0.02) << r->dump();
   }
+}
+
+// Two fast peers on stage 0 feed six four-times-slower ones on stages 1-3, the rebalancer off
+// and 16 microbatches in flight: the pipeline runs at the slow stages' pace, and the trace says
+// so per group. Each peer does the same work per microbatch, so the fast ones, four times as
+// fast, compute about a quarter of the time the slow ones do.
+TEST(Sim, EachGroupsBusyShareShowsWhichPeersThePipelineStarves) {
+  nlohmann::json j = nlohmann::json::parse(std::ifstream(kCorpus + "/hetero_rebalance.json"));
+  j["job_patch"]["routing"]["rebalance"] = false;
+  j["job_patch"]["batch"] = {{"batch_size", 128}};
+  j["job_patch"]["max_inflight"] = 16;
+  j["duration_s"] = 300;
+  SimOptions o;
+  o.measure_cpu = false;
+  const SimResult r = simulate(parse_scenario(j, kCorpus), o);
+  EXPECT_EQ(r.summary["job"]["microbatches"]["lost"], 0) << r.summary.dump();
+  const nlohmann::json& busy = r.summary["last_hour"]["busy"];
+  ASSERT_TRUE(busy.contains("fast") && busy.contains("slow")) << busy.dump();
+  const double fast = busy["fast"].get<double>(), slow = busy["slow"].get<double>();
+  EXPECT_GT(slow, 0.4) << busy.dump();
+  EXPECT_LE(slow, 1.0) << busy.dump();
+  EXPECT_GT(fast, 0.0) << busy.dump();
+  EXPECT_LT(fast, 0.4 * slow) << busy.dump();
 }
 
 TEST(Sim, EveryScenarioOfTheCorpusMeetsItsExpectations) {
