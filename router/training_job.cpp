@@ -274,19 +274,12 @@ wire::Tensor TrainingJob::tokens(uint64_t index, bool eval, bool targets) const 
   SWARM_CHECK(data_ != nullptr, "tokens asked of a job without its data");
   const int B = spec_.batch.microbatch_size, T = spec_.model.seq_len;
   const Split split = eval ? Split::kVal : Split::kTrain;
-  // u16 whenever every token id fits (text is bytes, "bin" data is uint16 on disk): half the
-  // bytes of i32 on the router's link, and every stage server takes either.
-  const bool narrow = spec_.model.vocab_size <= 65536;
+  // u16: every token id fits (TokenData), half the bytes of i32 on the router's link; every
+  // stage server takes either.
   const size_t n = size_t(B) * size_t(T);
-  wire::Tensor t = wire::make_tensor(narrow ? wire::DType::kU16 : wire::DType::kI32, {B, T}, compression::CodecSpec{},
-                                     n * (narrow ? 2 : 4));
-  if (narrow) {
-    auto* out = static_cast<uint16_t*>(t.data.data());
-    sample_microbatch_into(*data_, split, spec_.seed, index, B, T, targets ? nullptr : out, targets ? out : nullptr);
-  } else {
-    auto* out = static_cast<int32_t*>(t.data.data());
-    sample_microbatch_into(*data_, split, spec_.seed, index, B, T, targets ? nullptr : out, targets ? out : nullptr);
-  }
+  wire::Tensor t = wire::make_tensor(wire::DType::kU16, {B, T}, compression::CodecSpec{}, n * 2);
+  auto* out = static_cast<uint16_t*>(t.data.data());
+  sample_microbatch_into(*data_, split, spec_.seed, index, B, T, targets ? nullptr : out, targets ? out : nullptr);
   wire::seal(t);
   return t;
 }

@@ -73,7 +73,7 @@ TokenData TokenData::load(const DataSpec& data, int seq_len, int vocab_size, uin
   if (seq_len < 1) throw SpecError("model.seq_len: must be at least 1");
   if (vocab_size < 1) throw SpecError("model.vocab_size: must be at least 1");
 
-  std::vector<int32_t> all;
+  std::vector<uint16_t> all;
   uint64_t budget = max_bytes;
   for (const auto& path : data.paths) {
     std::string bytes = read_file(path, budget);
@@ -83,7 +83,7 @@ TokenData TokenData::load(const DataSpec& data, int seq_len, int vocab_size, uin
     size_t base = all.size();
     if (data.format == "text") {
       all.reserve(base + bytes.size());
-      for (unsigned char c : bytes) all.push_back(int32_t(c));
+      for (unsigned char c : bytes) all.push_back(uint16_t(c));
     } else {
       if (bytes.size() % 2 != 0) {
         throw SpecError("data.path: \"" + path + "\" has " + std::to_string(bytes.size()) +
@@ -92,11 +92,11 @@ TokenData TokenData::load(const DataSpec& data, int seq_len, int vocab_size, uin
       }
       all.reserve(base + bytes.size() / 2);
       for (size_t i = 0; i + 1 < bytes.size(); i += 2) {
-        all.push_back(int32_t(uint8_t(bytes[i])) | (int32_t(uint8_t(bytes[i + 1])) << 8));
+        all.push_back(uint16_t(uint16_t(uint8_t(bytes[i])) | (uint16_t(uint8_t(bytes[i + 1])) << 8)));
       }
     }
     for (size_t i = base; i < all.size(); ++i) {
-      if (all[i] >= vocab_size) {
+      if (int(all[i]) >= vocab_size) {
         throw SpecError("data.path: \"" + path + "\": token " + std::to_string(all[i]) + " at position " +
                         std::to_string(i - base) + " of the file is >= model.vocab_size " +
                         std::to_string(vocab_size) + "; raise model.vocab_size to cover the tokenizer's "
@@ -130,9 +130,10 @@ TokenData TokenData::synthetic(const DataSpec& data, int seq_len, int vocab_size
   const size_t n_val = std::max(need, size_t(std::llround(double(tokens) * data.val_fraction)));
   const size_t n_train = std::max(need, tokens > n_val ? tokens - n_val : 0);
   TokenData d;
-  auto fill = [&](std::vector<int32_t>& v, size_t n, uint64_t stream) {
+  SWARM_CHECK(vocab_size <= 65536, "a vocabulary of at most 65,536 (what data.format allows)");
+  auto fill = [&](std::vector<uint16_t>& v, size_t n, uint64_t stream) {
     v.resize(n);
-    for (size_t i = 0; i < n; ++i) v[i] = int32_t(counter_draw(seed, i, 0, stream) % uint64_t(std::max(1, vocab_size)));
+    for (size_t i = 0; i < n; ++i) v[i] = uint16_t(counter_draw(seed, i, 0, stream) % uint64_t(std::max(1, vocab_size)));
   };
   fill(d.train_, n_train, 1);
   fill(d.val_, n_val, 2);
@@ -141,10 +142,8 @@ TokenData TokenData::synthetic(const DataSpec& data, int seq_len, int vocab_size
 
 double TokenData::unigram_loss() const {
   if (val_.empty()) return 0.0;
-  int32_t max_tok = 0;
-  for (int32_t t : val_) max_tok = std::max(max_tok, t);
-  std::vector<uint64_t> counts(size_t(max_tok) + 1, 0);
-  for (int32_t t : val_) counts[size_t(t)] += 1;
+  std::vector<uint64_t> counts(size_t(1) << 16, 0);
+  for (uint16_t t : val_) counts[t] += 1;
   const double total = double(val_.size());
   double h = 0.0;
   for (uint64_t c : counts) {
@@ -173,7 +172,7 @@ void sample_into(const TokenData& data, Split split, uint64_t seed, uint64_t ind
                  Out* y) {
   SWARM_CHECK(samples >= 1, "samples must be positive");
   SWARM_CHECK(seq_len >= 1, "seq_len must be positive");
-  const std::vector<int32_t>& toks = split == Split::kTrain ? data.train() : data.val();
+  const std::vector<uint16_t>& toks = split == Split::kTrain ? data.train() : data.val();
   if (toks.size() < size_t(seq_len) + 1) {
     throw SpecError(std::string("data: the ") + (split == Split::kTrain ? "training" : "validation") +
                     " split holds " + std::to_string(toks.size()) + " tokens, fewer than seq_len + 1 = " +
@@ -189,7 +188,7 @@ void sample_into(const TokenData& data, Split split, uint64_t seed, uint64_t ind
     const uint64_t r = splitmix64(per_index ^ splitmix64(uint64_t(s) + 0x5a5a5a5aull));
     // Multiply-high maps r to [0, n_starts) with a bias below n_starts / 2^64.
     const uint64_t o = uint64_t((unsigned __int128)r * n_starts >> 64);
-    const int32_t* src = toks.data() + o;
+    const uint16_t* src = toks.data() + o;
     if (x) std::copy(src, src + T, x + size_t(s) * T);
     if (y) std::copy(src + 1, src + 1 + T, y + size_t(s) * T);
   }

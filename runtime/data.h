@@ -28,14 +28,16 @@ class TokenData {
   // (each split at least seq_len + 1 tokens).
   static TokenData synthetic(const DataSpec& data, int seq_len, int vocab_size, size_t tokens, uint64_t seed);
 
-  const std::vector<int32_t>& train() const { return train_; }
-  const std::vector<int32_t>& val() const { return val_; }
+  // Two bytes a token: every id fits (text: bytes; bin: uint16 on disk; the job spec allows
+  // neither a larger vocabulary), and the router holds the whole stream.
+  const std::vector<uint16_t>& train() const { return train_; }
+  const std::vector<uint16_t>& val() const { return val_; }
 
   // Entropy in nats per token of the validation split's own token frequencies.
   double unigram_loss() const;
 
  private:
-  std::vector<int32_t> train_, val_;
+  std::vector<uint16_t> train_, val_;
 };
 
 enum class Split { kTrain, kVal };

@@ -81,8 +81,8 @@ TEST_F(DataTest, TextBytesAreTokensAndFilesConcatenate) {
   // 6 + 94 = 100 tokens: 50 train, 50 val.
   ASSERT_EQ(d.train().size(), 50u);
   ASSERT_EQ(d.val().size(), 50u);
-  std::vector<int32_t> head(d.train().begin(), d.train().begin() + 11);
-  EXPECT_EQ(head, std::vector<int32_t>({'h', 'e', 'l', 'l', 'o', ' ', 'w', 255, 0, 'r', 'l'}));
+  std::vector<uint16_t> head(d.train().begin(), d.train().begin() + 11);
+  EXPECT_EQ(head, std::vector<uint16_t>({'h', 'e', 'l', 'l', 'o', ' ', 'w', 255, 0, 'r', 'l'}));
   EXPECT_EQ(d.val().back(), 'z');
 }
 
@@ -103,8 +103,8 @@ TEST_F(DataTest, SplitIsTheLastFraction) {
 TEST_F(DataTest, BinIsLittleEndianUint16) {
   std::string p = write_u16("t.bin", {0, 1, 258, 65535, 7, 300, 4, 5, 6, 9});
   TokenData d = TokenData::load(spec("bin", {p}, 0.5), 2, 65536);
-  EXPECT_EQ(d.train(), std::vector<int32_t>({0, 1, 258, 65535, 7}));
-  EXPECT_EQ(d.val(), std::vector<int32_t>({300, 4, 5, 6, 9}));
+  EXPECT_EQ(d.train(), std::vector<uint16_t>({0, 1, 258, 65535, 7}));
+  EXPECT_EQ(d.val(), std::vector<uint16_t>({300, 4, 5, 6, 9}));
 }
 
 TEST_F(DataTest, BinRejectsOddBytesAndTokensOverVocab) {
