@@ -23,9 +23,9 @@ void print_line(const json& j) {
                 j["stages"].get<int>(), j["hops"].get<std::string>().c_str(), (unsigned long long)j["seed"].get<uint64_t>(), num(j, "duration_s"),
                 j.value("synthetic_data", false) ? " (the job's data files are not here: made-up tokens)" : "");
   } else if (ev == "sample") {
-    std::printf("t %8.1f s  %-8s step %-6d tokens/s %10.0f  ideal %10.0f  (%.2f)  peers %d  %s\n", t, j.value("state", std::string("-")).c_str(),
-                j.value("step", 0), num(j, "tokens_per_s"), num(j, "ideal_tokens_per_s"), num(j, "vs_ideal"), j.value("peers_alive", 0),
-                j.value("reason", std::string()).c_str());
+    std::printf("t %8.1f s  %-8s step %-6d tokens/s %10.0f  ideal %10.0f  (%.2f; FLOPs to hops %.2f, recomputes %.2f)  peers %d  %s\n", t,
+                j.value("state", std::string("-")).c_str(), j.value("step", 0), num(j, "tokens_per_s"), num(j, "ideal_tokens_per_s"),
+                num(j, "vs_ideal"), num(j, "hop_share"), num(j, "recompute_share"), j.value("peers_alive", 0), j.value("reason", std::string()).c_str());
   } else if (ev == "move" || ev == "quarantine" || ev == "stage_restore" || ev == "job_end") {
     std::printf("t %8.1f s  %s: %s\n", t, ev.c_str(), j.value("text", std::string()).c_str());
   } else if (ev == "fault") {
@@ -75,6 +75,11 @@ int run_sim(const std::string& path, bool as_json, std::optional<uint64_t> seed)
     std::printf("last hour: %.0f tokens/s, ideal %.0f, %.3f of it; moves %llu, quarantined %llu, paused %llu time(s)\n", num(s["last_hour"], "tokens_per_s"),
                 num(s["last_hour"], "ideal_tokens_per_s"), num(s["last_hour"], "vs_ideal"), (unsigned long long)job.value("moves", 0ull),
                 (unsigned long long)job.value("quarantined", 0ull), (unsigned long long)s["paused"].value("times", 0ull));
+    std::printf("  of the live peers' FLOPs: %.3f to hops, %.3f of them recomputing forwards; time computing, by group:",
+                num(s["last_hour"], "hop_share"), num(s["last_hour"], "recompute_share"));
+    const json busy = s["last_hour"].value("busy", json::object());
+    for (const auto& [group, share] : busy.items()) std::printf(" %s %.2f", group.c_str(), share.get<double>());
+    std::printf("\n");
     std::printf("traffic: %s\n", s["traffic"].dump().c_str());
     std::printf("core: %.0f events per CPU second (%.2f us each), %.1f virtual s per wall s\n", num(r.perf, "core_events_per_cpu_s"),
                 num(r.perf, "core_us_per_event"), num(r.perf, "virtual_per_wall"));

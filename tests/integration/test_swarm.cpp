@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <sstream>
 #include <thread>
 
 #include "runtime/client.h"
@@ -164,6 +165,34 @@ TEST(Swarm, BadJobSpecIsRefusedWithAClearMessage) {
   std::tie(rc, out) = run(kBuild + "/swarm status --router tcp://127.0.0.1:9");
   EXPECT_EQ(rc, 3) << out;
   EXPECT_NE(out.find("tcp://127.0.0.1:9"), std::string::npos) << out;
+}
+
+// `swarm sim` on a scenario of the corpus: the run meets its expectations (exit 0), and both
+// outputs say where the peers' capacity went, per sample and per peer group.
+TEST(Swarm, SimCommandSaysWhereThePeersCapacityWent) {
+  const std::string scenario = kSource + "/examples/sim/tiny_local.json";
+  auto [rc, out] = run(kBuild + "/swarm sim " + scenario);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("FLOPs to hops"), std::string::npos) << out;
+  const size_t by_group = out.find("time computing, by group:");
+  ASSERT_NE(by_group, std::string::npos) << out;
+  const std::string groups = out.substr(by_group, out.find('\n', by_group) - by_group);
+  for (const char* g : {" s0 0.", " s1 0.", " s2 0.", " s3 0."}) EXPECT_NE(groups.find(g), std::string::npos) << groups;
+
+  std::tie(rc, out) = run(kBuild + "/swarm sim " + scenario + " --json");
+  EXPECT_EQ(rc, 0) << out;
+  json summary;
+  std::istringstream lines(out);
+  for (std::string l; std::getline(lines, l);) {
+    const json j = json::parse(l, nullptr, false);
+    if (j.is_object() && j.contains("last_hour")) summary = j;
+  }
+  ASSERT_TRUE(summary.is_object()) << out;
+  EXPECT_EQ(summary["last_hour"]["busy"].size(), 4u) << summary["last_hour"].dump();
+  for (const auto& [g, share] : summary["last_hour"]["busy"].items()) {
+    EXPECT_GT(share.get<double>(), 0.0) << g;
+    EXPECT_LE(share.get<double>(), 1.0) << g;
+  }
 }
 
 TEST(Swarm, RouterSurvivesGarbageFromARogueClient) {
