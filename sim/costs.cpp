@@ -68,9 +68,8 @@ JobCosts job_costs(const JobSpec& spec) {
     if (s == c.stages - 1) f += 2 * d * V;
     c.fwd_flops.push_back(f * tokens);
   }
-  double sum = 0;
-  for (double f : c.fwd_flops) sum += f;
-  c.mean_fwd_flops = sum / double(c.stages);
+  for (double f : c.fwd_flops) c.fwd_flops_sum += f;
+  c.mean_fwd_flops = c.fwd_flops_sum / double(c.stages);
   return c;
 }
 

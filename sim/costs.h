@@ -49,7 +49,7 @@ struct JobCosts {
   int64_t B = 1, T = 1, d_model = 1;
   std::vector<double> fwd_flops;   // [S] one microbatch's forward on stage s [FLOP]
   std::vector<int64_t> params;     // [S] parameters (stage_parameter_counts)
-  double mean_fwd_flops = 0;
+  double fwd_flops_sum = 0, mean_fwd_flops = 0;   // over the stages [FLOP]
   // The profile with flops filled in from ms_per_unit, when it was given that way.
   Profile calibrate(Profile p) const;
 };

@@ -48,9 +48,7 @@ void World::line(nlohmann::json j) {
 }
 
 double World::ideal_tokens_per_s() const {
-  double sum = 0;
-  for (double f : costs.fwd_flops) sum += f;
-  return sum > 0 ? ideal_flops / (3.0 * sum) * double(costs.B * costs.T) : 0.0;
+  return costs.fwd_flops_sum > 0 ? ideal_flops / (3.0 * costs.fwd_flops_sum) * double(costs.B * costs.T) : 0.0;
 }
 
 void World::ideal_changed() {
@@ -115,15 +113,9 @@ void World::sample() {
   const double tokens = completed > win.completed0 ? double(completed - win.completed0) * double(costs.B * costs.T) : 0.0;
   const double tps = dt > 0 ? tokens / dt : 0.0, ideal = dt > 0 ? win.ideal_integral / dt : 0.0;
   // The live peers' FLOPs over the interval: what the ideal bound turns into tokens.
-  double fwd_sum = 0;
-  for (double f : costs.fwd_flops) fwd_sum += f;
-  const double capacity = win.ideal_integral * 3.0 * fwd_sum / double(costs.B * costs.T);
+  const double capacity = win.ideal_integral * 3.0 * costs.fwd_flops_sum / double(costs.B * costs.T);
   int alive = 0;
   for (const SimPeer& p : peers) alive += p.alive;
-  // The share of each group's live time its peers spent computing (1 - it: idle or waiting).
-  nlohmann::json busy = nlohmann::json::object();
-  for (size_t g = 0; g < sc.groups.size(); ++g)
-    busy[sc.groups[g].name] = win.group_alive_s[g] > 0 ? win.group_busy_s[g] / win.group_alive_s[g] : 0.0;
   nlohmann::json s{{"event", "sample"},
                    {"t_s", now},
                    {"window_s", dt},
@@ -132,7 +124,7 @@ void World::sample() {
                    {"vs_ideal", ideal > 0 ? tps / ideal : 0.0},
                    {"hop_share", capacity > 0 ? win.hop_flops / capacity : 0.0},
                    {"recompute_share", capacity > 0 ? win.recompute_flops / capacity : 0.0},
-                   {"busy", busy},
+                   {"busy", busy_by_group(win.group_alive_s, win.group_busy_s)},
                    {"router", router_alive ? "up" : "down"},
                    {"peers_alive", alive}};
   if (st.is_object() && st.contains("state")) {
@@ -150,8 +142,23 @@ void World::sample() {
   line(s);
   samples.push_back(s);
   sampled.push_back(std::move(win));
-  win = Window{now, completed, 0, 0, 0, std::vector<double>(sc.groups.size(), 0.0), std::vector<double>(sc.groups.size(), 0.0)};
+  open_window(completed);
+}
+
+void World::open_window(uint64_t completed) {
+  win = Window{};
+  win.t0 = now;
+  win.completed0 = completed;
+  win.group_alive_s.assign(sc.groups.size(), 0.0);
+  win.group_busy_s.assign(sc.groups.size(), 0.0);
   ideal_mark_s = now;
+}
+
+nlohmann::json World::busy_by_group(const std::vector<double>& alive_s, const std::vector<double>& busy_s) const {
+  // The share of each group's live time its peers spent computing (1 - it: idle or waiting).
+  nlohmann::json busy = nlohmann::json::object();
+  for (size_t g = 0; g < sc.groups.size(); ++g) busy[sc.groups[g].name] = alive_s[g] > 0 ? busy_s[g] / alive_s[g] : 0.0;
+  return busy;
 }
 
 nlohmann::json World::summary() const {
@@ -167,16 +174,14 @@ nlohmann::json World::summary() const {
     const double capacity = s["ideal_tokens_per_s"].get<double>() * w;
     tok += s["tokens_per_s"].get<double>() * w;
     ideal += capacity;
-    hop += s.value("hop_share", 0.0) * capacity;
-    recompute += s.value("recompute_share", 0.0) * capacity;
+    hop += s["hop_share"].get<double>() * capacity;
+    recompute += s["recompute_share"].get<double>() * capacity;
     span += w;
     for (size_t g = 0; g < sc.groups.size(); ++g) {
       alive_s[g] += sampled[i].group_alive_s[g];
       busy_s[g] += sampled[i].group_busy_s[g];
     }
   }
-  nlohmann::json busy = nlohmann::json::object();
-  for (size_t g = 0; g < sc.groups.size(); ++g) busy[sc.groups[g].name] = alive_s[g] > 0 ? busy_s[g] / alive_s[g] : 0.0;
   const uint64_t taken = count(st, "microbatches", "taken"), completed = count(st, "microbatches", "completed");
   const uint64_t in_flight = count(st, "microbatches", "in_flight");
   uint64_t peer_bytes = 0;
@@ -212,7 +217,7 @@ nlohmann::json World::summary() const {
           {"job", job},
           {"last_hour", {{"from_s", now - span}, {"tokens_per_s", span > 0 ? tok / span : 0.0}, {"ideal_tokens_per_s", span > 0 ? ideal / span : 0.0},
                          {"vs_ideal", ideal > 0 ? tok / ideal : 0.0}, {"hop_share", ideal > 0 ? hop / ideal : 0.0},
-                         {"recompute_share", ideal > 0 ? recompute / ideal : 0.0}, {"busy", busy}}},
+                         {"recompute_share", ideal > 0 ? recompute / ideal : 0.0}, {"busy", busy_by_group(alive_s, busy_s)}}},
           {"paused", {{"times", pauses}, {"total_s", paused_total_s + (paused_since >= 0 ? now - paused_since : 0.0)}}},
           {"faults", {{"crashes", crashes}, {"rejoins", rejoins}, {"router_restarts", router_restarts}, {"corrupt_replies", corrupt_sent}}},
           {"traffic", {{"router_link", {{"up_bytes", router_host.up.bytes}, {"down_bytes", router_host.down.bytes},

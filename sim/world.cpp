@@ -45,8 +45,7 @@ World::World(const Scenario& s, const SimOptions& o) : sc(s), opt(o), rng(o.seed
   for (const SimPeer& p : peers)
     if (!p.listen.empty()) by_listen[p.listen] = p.index;
   group_alive.assign(s.groups.size(), 0);
-  win.group_alive_s.assign(s.groups.size(), 0.0);
-  win.group_busy_s.assign(s.groups.size(), 0.0);
+  open_window(0);
 }
 
 void World::schedule(double t, Ev kind, int peer, uint32_t slot) {

@@ -154,6 +154,8 @@ class World {
 
   // ---- report.cpp ----
   void sample();
+  void open_window(uint64_t completed);  // a new sample interval from now
+  nlohmann::json busy_by_group(const std::vector<double>& alive_s, const std::vector<double>& busy_s) const;
   void note_log(const router::Log& l);
   void check_pause();                    // whether a stage of the job has no ready peer now
   double ideal_tokens_per_s() const;     // the bound for the peers alive now
