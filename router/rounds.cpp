@@ -106,18 +106,22 @@ msg::RoundRef Rounds::ref(int s) const {
 
 void Rounds::count_bytes(Ctx& c, const wire::Message& m, const PeerId& receiver) {
   const Peer* to = c.peers.find(receiver);
-  const std::string& name = to ? to->hello.name : receiver;
+  uint64_t received = 0;
+  bool any = false;
   for (const auto& t : m.tensors) {
-    bytes_outer += t.desc.wire_bytes();
-    round_bytes_[name].received += t.desc.wire_bytes();
+    received += t.desc.wire_bytes();
+    any = true;
   }
   for (const auto& r : m.refs) {
-    if (r.from == to->hello.listen) continue;  // its own: no link crossed
-    bytes_outer += r.desc.wire_bytes();
-    round_bytes_[name].received += r.desc.wire_bytes();
+    if (to && r.from == to->hello.listen) continue;  // its own: no link crossed
+    received += r.desc.wire_bytes();
+    any = true;
     if (!r.from.empty())
       c.peers.each_listening_at(r.from, [&](const Peer& p) { round_bytes_[p.hello.name].sent += r.desc.wire_bytes(); });
   }
+  if (!any) return;
+  bytes_outer += received;
+  round_bytes_[to ? to->hello.name : receiver].received += received;
 }
 
 void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
@@ -162,9 +166,12 @@ void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
       wire::Message m = msg::make(b);
       m.hold = st.p2p;
       c.request(pd, std::move(m));
+      st.index.emplace(p->id, st.members.size());
       st.members.push_back(p->id);
       st.waiting.insert(p->id);
     }
+    st.deltas.resize(st.members.size());
+    st.weights.assign(st.members.size(), 0.0);
   }
 }
 
@@ -206,14 +213,16 @@ void Rounds::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
         if (!m.refs.empty()) c.release(p.id, pd.id);
         return;
       }
-      st.weights[p.id] = double(counted);
+      const size_t i = st.index.at(p.id);
+      st.weights[i] = double(counted);
       std::vector<Slot> parts = take_all(size_t(st.shards));
       for (const Slot& sl : parts)
         if (sl.bytes) {
           bytes_outer += sl.bytes->desc.wire_bytes();
           round_bytes_[p.hello.name].sent += sl.bytes->desc.wire_bytes();
         }
-      st.deltas[p.id] = std::move(parts);
+      st.deltas[i] = std::move(parts);
+      st.contributed++;
       return;
     }
     case ReqKind::kRoundReduce: {
@@ -294,7 +303,7 @@ void Rounds::on_fetch_failed(Ctx& c, const Pending& pd, int slot) {
     const Peer* g = c.peers.find(gone);
     c.warn("round " + std::to_string(count_) + ": part " + std::to_string(j) + " of stage " + std::to_string(pd.stage) +
            " goes on without " + (g ? g->hello.name : gone) + "'s outer gradient (it could not be fetched)");
-    if (auto it = st.deltas.find(gone); it != st.deltas.end()) c.drop(it->second[size_t(j)]);
+    if (auto it = st.index.find(gone); it != st.index.end() && !st.deltas[it->second].empty()) c.drop(st.deltas[it->second][size_t(j)]);
     return reduce_part(c, pd.stage, j);
   }
   if (pd.kind == ReqKind::kRoundApply && st.phase == Stage::Phase::kApply) {
@@ -309,7 +318,7 @@ void Rounds::on_fetch_failed(Ctx& c, const Pending& pd, int slot) {
 void Rounds::reduce(Ctx& c, int s) {
   Stage& st = stages_[size_t(s)];
   st.phase = Stage::Phase::kReduce;
-  if (st.deltas.empty()) {
+  if (st.contributed == 0) {
     c.warn("round " + std::to_string(count_) + ": no outer gradient from stage " + std::to_string(s) + "; its global weights stay as they were");
     st.phase = Stage::Phase::kDone;
     return;
@@ -327,31 +336,28 @@ void Rounds::reduce_part(Ctx& c, int s, int j) {
   Stage& st = stages_[size_t(s)];
   if (st.phase != Stage::Phase::kReduce) return;
   // Its last owner first (it holds the error-feedback residual of this part's mean), then member
-  // j, j + 1, ... in join order.
-  std::vector<const Peer*> cands;
-  for (size_t k = 0; k < st.members.size(); ++k) {
-    const PeerId& id = st.members[(size_t(j) + k) % st.members.size()];
+  // j, j + 1, ... in join order: the first of them that is ready and has not failed this part.
+  auto eligible = [&](const PeerId& id) -> const Peer* {
     const Peer* p = c.peers.find(id);
-    if (p && p->state == PeerState::kReady && p->job_id == job_ && p->stage == s && !st.owners_tried[size_t(j)].count(id) &&
-        (!st.p2p || p->can_hold()))
-      cands.push_back(p);
-  }
-  auto last = last_owner_.find({s, j});
-  std::stable_sort(cands.begin(), cands.end(), [&](const Peer* a, const Peer* b) {
-    const bool la = last != last_owner_.end() && last->second.first == st.shards && a->id == last->second.second;
-    const bool lb = last != last_owner_.end() && last->second.first == st.shards && b->id == last->second.second;
-    return la > lb;
-  });
+    const bool ok = p && p->state == PeerState::kReady && p->job_id == job_ && p->stage == s && !st.owners_tried[size_t(j)].count(id) &&
+                    (!st.p2p || p->can_hold());
+    return ok ? p : nullptr;
+  };
+  const Peer* chosen = nullptr;
+  const auto last = last_owner_.find({s, j});
+  if (last != last_owner_.end() && last->second.first == st.shards && st.index.count(last->second.second))
+    chosen = eligible(last->second.second);
+  for (size_t k = 0; !chosen && k < st.members.size(); ++k) chosen = eligible(st.members[(size_t(j) + k) % st.members.size()]);
   bool any = false;
-  for (const auto& [id, parts] : st.deltas) any |= parts[size_t(j)].known();
-  if (cands.empty() || !any) {
+  for (const std::vector<Slot>& parts : st.deltas) any |= !parts.empty() && parts[size_t(j)].known();
+  if (!chosen || !any) {
     c.warn("round " + std::to_string(count_) + ": part " + std::to_string(j) + " of stage " + std::to_string(s) +
            (any ? " found no peer to reduce it" : " lost every outer gradient") + "; the stage's global weights stay as they were");
     release(c, st);
     st.phase = Stage::Phase::kDone;
     return;
   }
-  const Peer& owner = *cands.front();
+  const Peer& owner = *chosen;
   st.owners[size_t(j)] = owner.id;
   msg::RoundReduce body;
   static_cast<msg::RoundRef&>(body) = ref(s);
@@ -360,12 +366,11 @@ void Rounds::reduce_part(Ctx& c, int s, int j) {
   m.tensors.reserve(st.members.size());
   m.refs.reserve(st.members.size());
   st.contributors[size_t(j)].clear();
-  for (const PeerId& id : st.members) {
-    auto it = st.deltas.find(id);
-    if (it == st.deltas.end() || !it->second[size_t(j)].known()) continue;
-    body.weights.push_back(st.weights[id]);   // "grad": for the reducer's outlier test only
-    c.attach(m, it->second[size_t(j)], uint32_t(st.contributors[size_t(j)].size()));
-    st.contributors[size_t(j)].push_back(id);
+  for (size_t i = 0; i < st.members.size(); ++i) {
+    if (st.deltas[i].empty() || !st.deltas[i][size_t(j)].known()) continue;
+    body.weights.push_back(st.weights[i]);   // "grad": for the reducer's outlier test only
+    c.attach(m, st.deltas[i][size_t(j)], uint32_t(st.contributors[size_t(j)].size()));
+    st.contributors[size_t(j)].push_back(st.members[i]);
   }
   m.body = msg::pack(body);
   m.hold = st.p2p;
@@ -387,11 +392,11 @@ void Rounds::apply(Ctx& c, int s) {
   st.waiting.clear();
   for (int j = 0; j < st.shards; ++j) last_owner_[{s, j}] = {st.shards, st.owners[size_t(j)]};
   double samples = 0;
-  for (const auto& [id, w] : st.weights)
-    if (!st.left_out.count(id)) samples += w;
+  for (size_t i = 0; i < st.members.size(); ++i)
+    if (!st.deltas[i].empty() && !st.left_out.count(st.members[i])) samples += st.weights[i];
   msg::RoundApply body;
   static_cast<msg::RoundRef&>(body) = ref(s);
-  body.contributors = int32_t(st.deltas.size());
+  body.contributors = int32_t(st.contributed);
   body.samples = int64_t(samples);
   for (Peer* p : c.peers.stage_peers(job_, s, c.now)) {
     wire::Message m = msg::make(body);
@@ -410,18 +415,21 @@ void Rounds::apply(Ctx& c, int s) {
     if (what_ == msg::RoundWhat::kGrad) {
       samples_.synced(p->id, -1);
     } else {
-      const auto sent = st.weights.find(p->id);
-      samples_.synced(p->id, fragment_, sent == st.weights.end() ? -1 : int64_t(sent->second));
+      const auto i = st.index.find(p->id);
+      const bool sent = i != st.index.end() && !st.deltas[i->second].empty();
+      samples_.synced(p->id, fragment_, sent ? int64_t(st.weights[i->second]) : -1);
     }
   }
 }
 
 // What the members and owners hold for the round goes once the round is applied or given up.
 void Rounds::release(Ctx& c, Stage& st) {
-  for (auto& [id, parts] : st.deltas)
+  for (std::vector<Slot>& parts : st.deltas) {
     for (Slot& sl : parts) c.drop(sl);
+    parts.clear();
+  }
   for (Slot& sl : st.means) c.drop(sl);
-  st.deltas.clear();
+  st.contributed = 0;
   st.means.clear();
 }
 
@@ -501,7 +509,7 @@ bool Rounds::advance(Ctx& c, bool may_apply) {
     if (what_ == msg::RoundWhat::kDelta)
       c.event(EventKind::kRound, LogLevel::kDebug,
               "round " + std::to_string(count_) + " applied in " + std::to_string(int((c.now - begun_s_) * 1000)) + " ms", job_);
-    last_round_bytes_ = std::move(round_bytes_);
+    last_round_bytes_ = std::map<std::string, PeerBytes>(round_bytes_.begin(), round_bytes_.end());
     round_bytes_.clear();
   }
   return done;

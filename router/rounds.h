@@ -124,9 +124,13 @@ class Rounds {
     int shards = 1;                             // K: parts of the round's values
     bool p2p = false;                           // parts held by the members, fetched by whoever needs them
     std::vector<PeerId> members;                // ROUND_BEGIN went to them, in join order
+    std::unordered_map<PeerId, size_t> index;   // member -> its place in `members`
     std::set<PeerId> waiting;                   // collect: deltas due; apply: dones due
-    std::map<PeerId, std::vector<Slot>> deltas; // each member's K parts, as received
-    std::map<PeerId, double> weights;           // router-counted samples
+    // [members] each member's K parts, as received (empty: none), and the router-counted samples
+    // they are weighed by: read per member for each of the K parts, so by place, not by id.
+    std::vector<std::vector<Slot>> deltas;
+    std::vector<double> weights;
+    size_t contributed = 0;                     // members with parts in `deltas`
     std::vector<PeerId> owners;                 // [K] who reduces each part
     std::vector<std::set<PeerId>> owners_tried; // [K]
     std::vector<std::vector<PeerId>> contributors;  // [K] whose parts the part's ROUND_REDUCE carries, in order
@@ -161,7 +165,9 @@ class Rounds {
   std::map<std::string, metrics::Histogram> durations_;
   std::vector<Stage> stages_;
   std::map<std::pair<int, int>, std::pair<int, PeerId>> last_owner_;   // (stage, part) -> (K, owner)
-  std::map<std::string, PeerBytes> round_bytes_, last_round_bytes_;
+  // By peer name: counted per reference while a round is open (hashed), kept sorted once it ends.
+  std::unordered_map<std::string, PeerBytes> round_bytes_;
+  std::map<std::string, PeerBytes> last_round_bytes_;
   std::map<std::string, uint64_t> outliers_;   // contributions left out of a mean, by peer name
   std::vector<uint64_t> fragment_syncs_;
   uint64_t hash_mismatches_ = 0;
