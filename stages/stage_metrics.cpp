@@ -28,7 +28,7 @@ std::string stage_exposition(const StageFigures& f) {
     out.family("swarm_stage_graph_cache_entries", Type::kGauge,
                "Forward graphs the affinity cache may keep for the loaded stage: what fits in the memory free when it loaded, at most the configured bound.")
         .sample({}, double(f.cache_entries));
-  out.family("swarm_stage_compute_seconds_total", Type::kCounter, "Seconds spent computing hops (emulation padding included).")
+  out.family("swarm_stage_compute_seconds_total", Type::kCounter, "Seconds spent computing hops (emulation padding included) and the inner steps taken between them.")
       .sample({}, f.compute_s);
   out.family("swarm_stage_seconds_per_unit", Type::kGauge, "Moving average of compute seconds per work unit (forward 1, backward 2.5).")
       .sample({}, f.seconds_per_unit);

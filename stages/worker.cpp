@@ -23,12 +23,15 @@ Message Worker::Impl::handle(Message& req, uint64_t seq) {
       const double units = work_units(req.type, r.cached.value_or(false));
       if (units > 0) {
         pad_for_emulation(t0);
-        const double ms = ms_since(t0);
+        const double ms = ms_since(t0) + step_ms_unreported_;
+        step_ms_unreported_ = 0;
         r.compute_ms = ms;
         stats_.ms_per_unit = timing::ema(stats_.ms_per_unit.load(), ms / units);
         stats_.compute_s = stats_.compute_s.load() + ms / 1000;
       }
       rep.body = msg::pack(r);
+    } else if (req.type == MsgType::kStep) {
+      step_ms_unreported_ += ms_since(t0);
     }
     if (fault_.lie && lie_about(rep)) log_warn("fault", std::string("lied in a ") + wire::msg_type_name(rep.type));
     return rep;
@@ -162,6 +165,7 @@ Message Worker::Impl::load(Message& req) {
   momentum_.assign(theta_g_.size(), 0.f);
   accum_samples_ = 0;
   stale_samples_ = 0;
+  step_ms_unreported_ = 0;
   held_step_ = 0;
   sent_.clear();
   outer_ef_ = std::make_unique<compression::ErrorFeedback>();
@@ -464,12 +468,14 @@ void Worker::Impl::accumulate(int64_t samples, uint64_t mb, bool closes) {
 
 void Worker::Impl::after_reply() {
   if (!step_due_) return;
+  const auto t0 = Clock::now();
   try {
     take_step();
   } catch (const std::exception& e) {
     // No reply to carry it: the next backward's step, or the barrier's STEP, tries again.
     log_warn("stage", std::string("the step a closing backward ended failed: ") + e.what());
   }
+  step_ms_unreported_ += ms_since(t0);
 }
 
 bool Worker::Impl::take_step(bool skip) {
@@ -500,12 +506,14 @@ bool Worker::Impl::take_step(bool skip) {
   // once): as many updates on as the gradients will be applied late, plus one look-ahead update
   // (docs/schedules.md, "Weight versions and prediction").
   versions_.before_change(*model_, async && !model_->is_last(), mean_stale + kPredictionLookAhead);
+  const auto step_t0 = Clock::now();
   const double norm = optim_->step(accum_samples_, scale, lr_step, lr_factor);
+  const double step_ms = ms_since(step_t0);
   versions_.after_step(*model_);
   drop_unused_snapshots();
   stale_samples_ = 0;
   log_debug("stage", "inner step " + std::to_string(optim_->steps_taken()) + " on " + std::to_string(accum_samples_) +
-                         " samples, gradient norm " + std::to_string(norm));
+                         " samples, gradient norm " + std::to_string(norm) + ", " + std::to_string(step_ms) + " ms");
   accum_samples_ = 0;
   stale_samples_ = 0;
   stats_.steps++;

@@ -283,6 +283,10 @@ struct Worker::Impl {
   std::vector<float> theta_g_, momentum_;  // the group's global weights and outer momentum (fp32, CPU)
   int64_t accum_samples_ = 0;              // samples in the gradients since the last inner step
   bool step_due_ = false;                   // async: the held step is to be taken after this reply
+  // An inner step taken outside a hop (async: after the closing backward's reply; sync: a STEP)
+  // [ms]: added to the next hop's compute_ms, so that the peer's measured speed, which placement
+  // and dispatch read, counts its steps as async_local's (taken inside a backward) always did.
+  double step_ms_unreported_ = 0;
   int held_step_ = 0;                      // the latest job step (1-based) whose microbatches this peer ran a backward of
   std::map<int, std::vector<float>> sent_;  // local weights of a fragment when its delta left
   std::unique_ptr<compression::ErrorFeedback> outer_ef_ = std::make_unique<compression::ErrorFeedback>();  // what a lossy outer codec has not sent yet

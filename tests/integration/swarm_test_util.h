@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -75,6 +76,14 @@ inline std::string write_text(const std::string& dir) {
   const std::string path = dir + "/text.txt";
   std::ofstream(path) << text;
   return path;
+}
+
+// The value of the sample `name` (with its labels) in a Prometheus page; -1 when absent.
+inline double metric_sample(const std::string& page, const std::string& name) {
+  std::istringstream in(page);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
+  return -1;
 }
 
 inline json tiny_job(const std::string& data, int stages, int steps, const std::string& schedule) {

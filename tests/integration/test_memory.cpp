@@ -19,18 +19,6 @@ using namespace swarm;
 using namespace swarm::testing;
 using nlohmann::json;
 
-namespace {
-
-// The value of the sample `name` (with its labels) in a Prometheus page; -1 when absent.
-double sample(const std::string& page, const std::string& name) {
-  std::istringstream in(page);
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
-  return -1;
-}
-
-}  // namespace
-
 TEST(Memory, APeerWithLittleMemoryCachesWhatFitsAndTheSwarmStillTrains) {
   const std::string dir = temp_dir();
   const std::string data = write_text(dir);
@@ -80,8 +68,8 @@ TEST(Memory, APeerWithLittleMemoryCachesWhatFitsAndTheSwarmStillTrains) {
   EXPECT_GT(hb["recomputes"].get<uint64_t>(), hb["cache_hits"].get<uint64_t>()) << hb.dump();
   EXPECT_EQ(hb["cache_entries"], 1) << hb.dump();
   ASSERT_FALSE(page.empty());
-  EXPECT_EQ(sample(page, "swarm_stage_graph_cache_entries"), 1) << page;
-  EXPECT_GT(sample(page, "swarm_stage_backward_graphs_total{graph=\"recomputed\"}"), 0) << page;
+  EXPECT_EQ(metric_sample(page, "swarm_stage_graph_cache_entries"), 1) << page;
+  EXPECT_GT(metric_sample(page, "swarm_stage_backward_graphs_total{graph=\"recomputed\"}"), 0) << page;
   std::ifstream log(swarm.log_dir() + "/small.log");
   const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("affinity cache: 1 graph(s)"), std::string::npos) << text;
