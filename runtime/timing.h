@@ -1,4 +1,5 @@
-// timing.h: the project's one backoff, one deadline formula and one throughput average.
+// timing.h: the project's one backoff, one deadline formula, one heartbeat rule and one
+// throughput average.
 //
 // Every retry (a hop re-sent, a banned peer, an unresponsive peer, a stage server reconnecting)
 // waits backoff_s; every request the router sends has a deadline from deadline_s; every
@@ -50,6 +51,19 @@ inline double fetch_window_s(double own_timeout_s, uint32_t within_ms) {
 // holder sent it when the router sent the request, so it is due about when the request is): a
 // second plus its bytes at 10 MB/s, within half the request's window.
 inline double push_wait_s(uint64_t bytes, double window_s) { return std::min(window_s / 2, 1.0 + double(bytes) / 10e6); }
+
+// When a stage server's next heartbeat is due (seconds on its own clock), from when it sent the
+// last one and when it last sent the router anything (the heartbeat included). The router counts
+// any message as a sign of life, so a peer that sent it something within the last beat (a busy
+// peer's results) skips its heartbeat, except every kBusyBeatEvery-th beat, which keeps the
+// counters it carries fresh: the longest silence the router sees is then a beat (and the turn
+// of the peer's loop). Where the router's window is under 3 beats (`liveness`) every beat goes
+// out, as the router's own rule for its heartbeats has it.
+constexpr int kBusyBeatEvery = 4;
+inline double next_heartbeat_s(double last_beat_s, double last_sent_s, double beat_s, int liveness) {
+  if (liveness < 3) return last_beat_s + beat_s;
+  return std::max(last_beat_s + beat_s, std::min(last_sent_s + beat_s, last_beat_s + kBusyBeatEvery * beat_s));
+}
 
 // The exponential moving average of a peer's ms per work unit: weight 0.1 on each new sample
 // (SWARM's choice: a few slow hops do not swing routing), the first sample taken as it is.

@@ -63,6 +63,7 @@ void World::join(int i) {
   p.corrupt_p = 0;
   p.stall_until = 0;
   p.ms_per_unit = 0;
+  p.last_beat_s = p.last_sent_s = now;   // a new process: its first heartbeat a beat from now
   p.busy_until = now;
   p.host.up.free_s = p.host.down.free_s = now;
   p.host.up.ends.clear();
@@ -102,12 +103,20 @@ void World::crash(int i, const std::string& why, double rejoin_after_s) {
 void World::heartbeat(int i) {
   SimPeer& p = peers[size_t(i)];
   if (!p.alive) return;
-  schedule(now + sc.heartbeat_ms / 1000.0, Ev::kHeartbeat, i);
-  if (now < p.stall_until) return;   // stopped: no heartbeat either
-  if (!p.welcomed) {
+  const double beat_s = sc.heartbeat_ms / 1000.0;
+  if (now < p.stall_until || !p.welcomed) {
+    schedule(now + beat_s, Ev::kHeartbeat, i);
+    if (now < p.stall_until) return;   // stopped: no heartbeat either
     if (now - p.last_hello_s >= kHelloRetryS) hello(i);
     return;
   }
+  // Not while it sent the router something within the last beat, as a stage server.
+  if (const double due = timing::next_heartbeat_s(p.last_beat_s, p.last_sent_s, beat_s, sc.liveness); now < due) {
+    schedule(due, Ev::kHeartbeat, i);
+    return;
+  }
+  p.last_beat_s = now;
+  schedule(now + beat_s, Ev::kHeartbeat, i);
   msg::Heartbeat hb;
   hb.stage = p.book.stage;
   hb.job_id = p.book.job;

@@ -206,6 +206,7 @@ void World::take(router::Actions actions) {
 
 void World::to_router(int p, wire::Message m, double depart_s) {
   SimPeer& peer = peers[size_t(p)];
+  peer.last_sent_s = std::max(peer.last_sent_s, depart_s);
   const double at = transfer(peer.host, router_host, message_bytes(m), depart_s);
   schedule(at, Ev::kToRouter, p, stash(std::move(m)));
 }

@@ -99,6 +99,7 @@ struct SimPeer {
   double busy_until = 0;                 // its compute thread
   double ms_per_unit = 0;                // its own EMA of compute ms per unit, as its heartbeat says
   double last_hello_s = -1e300;
+  double last_beat_s = 0, last_sent_s = 0;   // its last heartbeat, its last message of any kind to the router
 };
 
 struct Window {                          // one sample interval's counters

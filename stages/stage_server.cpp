@@ -195,9 +195,11 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     return s;
   };
   std::unique_ptr<zmq::socket_t> sock = make_socket();
+  double last_sent_s = 0;   // anything to the router: a sign of life there (timing::next_heartbeat_s)
   auto send_frames = [&](Frames& frames) {
     for (size_t i = 0; i < frames.size(); ++i)   // only the first part can fail; then none goes
       if (!sock->send(frames[i], i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none)) return;
+    if (!frames.empty()) last_sent_s = now_s();
   };
   // Replies and error answers: the injected faults decide what actually leaves.
   auto answer = [&](Message& m) {
@@ -304,11 +306,13 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   };
 
   auto last_heard = Clock::now();
-  auto last_beat = Clock::now();
+  auto last_tick = Clock::now();
+  double last_beat_s = 0;
   bool welcomed = false;
   double backoff_s = 0.5;
   int reconnects = 0;
   int heartbeat_ms = opt.heartbeat_ms;
+  int liveness = opt.liveness;
   double silent_s = opt.liveness * opt.heartbeat_ms / 1000.0;
 
   auto reconnect = [&](const std::string& why) {
@@ -353,7 +357,8 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
           // The router's liveness rule is the one that counts: heartbeat at its pace.
           const msg::Welcome w = msg::read<msg::Welcome>(m);
           heartbeat_ms = std::max(10, w.heartbeat_ms.value_or(heartbeat_ms));
-          silent_s = std::max(1, w.liveness.value_or(opt.liveness)) * heartbeat_ms / 1000.0;
+          liveness = std::max(1, w.liveness.value_or(opt.liveness));
+          silent_s = liveness * heartbeat_ms / 1000.0;
           welcomed = true;
           holdings.clear();  // a new session: the router knows nothing of what we held
           backoff_s = 0.5;
@@ -474,9 +479,16 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     for (auto& d : faults.due_incoming()) handle_incoming(d);
     for (auto& f : faults.due_outgoing()) send_frames(f);
     const auto now = Clock::now();
-    if (std::chrono::duration<double, std::milli>(now - last_beat).count() >= heartbeat_ms) {
-      last_beat = now;
+    if (std::chrono::duration<double, std::milli>(now - last_tick).count() >= heartbeat_ms) {
+      last_tick = now;
       holdings.expire(now_s());
+    }
+    // A peer with faults injected heartbeats every beat: the `heartbeat` fault point keeps its pace
+    // (docs/faults.md, "Points").
+    const double beat_s = heartbeat_ms / 1000.0;
+    const double beat_due_s = faults.armed() ? last_beat_s + beat_s : timing::next_heartbeat_s(last_beat_s, last_sent_s, beat_s, liveness);
+    if (now_s() >= beat_due_s) {
+      last_beat_s = now_s();
       msg::Heartbeat b;
       b.stage = stats.stage.load();
       b.job_id = stats.job_id.load();

@@ -228,6 +228,46 @@ TEST(StageFaults, ZombieHeartbeatsButNeverAnswers) {
   EXPECT_GE(r.heartbeats, 5) << "a zombie keeps heartbeating";
 }
 
+// The router counts any message as a sign of life, so a peer answering requests skips most of
+// its heartbeats (timing::next_heartbeat_s): every fourth goes out, and no silence reaches the
+// router's window. Idle again, it heartbeats every beat.
+TEST(StageFaults, ABusyPeerSkipsMostHeartbeatsButNeverFallsSilent) {
+  const std::string dir = temp_dir();
+  FakeRouter r;
+  StageProcess stage(r.endpoint(), {}, dir + "/stage.log");
+  r.welcome(100, 3);
+  // Busy: a request every 50 ms for 3 s (each answered ERROR: no stage is loaded).
+  int beats = 0, answers = 0;
+  double last_heard = -1, longest_silence = 0;
+  const auto t0 = Clock::now();
+  uint64_t id = 1;
+  auto heard = [&](std::vector<zmq::message_t>& f) {
+    const double t = since(t0);
+    if (last_heard >= 0) longest_silence = std::max(longest_silence, t - last_heard);
+    last_heard = t;
+    if (wire::decode(f).type == MsgType::kHeartbeat) beats++;
+    else answers++;
+  };
+  while (since(t0) < 3.0) {
+    r.step(id++);
+    const auto t1 = Clock::now();
+    while (since(t1) < 0.05)
+      if (auto f = r.next_frames(0.05 - since(t1))) heard(*f);
+  }
+  EXPECT_GE(answers, 40) << "the stage server stopped answering";
+  // 30 beats in 3 s; every fourth of them: about 8.
+  EXPECT_GE(beats, 4) << "a busy peer still sends every fourth heartbeat";
+  EXPECT_LE(beats, 12) << "a busy peer sent most of its heartbeats";
+  EXPECT_LT(longest_silence, 0.3) << "a silence the router (liveness 3 x 100 ms) would take for death";
+  // Idle: every beat again.
+  beats = 0;
+  const auto t2 = Clock::now();
+  while (since(t2) < 2.0)
+    if (auto f = r.next_frames(2.0 - since(t2))) heard(*f);
+  EXPECT_GE(beats, 14) << "an idle peer heartbeats every 100 ms";
+  EXPECT_EQ(stage.wait_death(0.1), -1) << "the stage server exited";
+}
+
 TEST(StageFaults, DropDuplicateDelayAndCorruptReplies) {
   const std::string dir = temp_dir();
   FakeRouter r;

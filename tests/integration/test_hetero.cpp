@@ -54,7 +54,7 @@ TEST(Hetero, RebalancerFixesAMisassignedSwarm) {
   const std::string data = write_text(dir);
   // The default schedule. It pinned `async_local` while it asked the router's model to rise,
   // which under `async` once rose only 1.5% over the moves; asking the measured rate, it passed
-  // eight runs of eight under `async` (docs/schedules.md, "Steps in a peer's measured speed").
+  // sixteen runs of sixteen under `async` (docs/schedules.md, "Steps in a peer's measured speed").
   json spec = tiny_job(data, 4, 100000, "async");
   spec["model"] = {{"vocab_size", 256}, {"d_model", 96}, {"n_head", 4}, {"n_layer", 4}, {"seq_len", 48}};
   spec["batch"] = {{"batch_size", 64}, {"microbatch_size", 8}};
