@@ -104,10 +104,9 @@ void World::heartbeat(int i) {
   SimPeer& p = peers[size_t(i)];
   if (!p.alive) return;
   const double beat_s = sc.heartbeat_ms / 1000.0;
-  if (now < p.stall_until || !p.welcomed) {
+  if (now < p.stall_until || !p.welcomed) {   // stopped: no heartbeat; not welcomed: HELLO again
     schedule(now + beat_s, Ev::kHeartbeat, i);
-    if (now < p.stall_until) return;   // stopped: no heartbeat either
-    if (now - p.last_hello_s >= kHelloRetryS) hello(i);
+    if (now >= p.stall_until && now - p.last_hello_s >= kHelloRetryS) hello(i);
     return;
   }
   // Not while it sent the router something within the last beat, as a stage server.

@@ -45,7 +45,7 @@ TEST(Memory, APeerWithLittleMemoryCachesWhatFitsAndTheSwarmStillTrains) {
   // The small peer as the router sees it (its HELLO and its last heartbeat) and its own /metrics
   // page, once it has done backwards: a busy peer sends every fourth heartbeat only
   // (timing::next_heartbeat_s), so on a short job the first such heartbeat may come after it.
-  json small, page_hb;
+  json small;
   std::string page;
   auto look = [&] {
     const json peers = c.request_body(wire::MsgType::kPeers, json::object());

@@ -90,10 +90,7 @@ TEST(Schedules, AnAsyncPeersInnerStepsAreInItsReportedCompute) {
   swarm.start_stage(0, "s0", 1, {"--http", "127.0.0.1:0"});
   Client c(swarm.router_endpoint());
   wait_for_peers(c, 1);
-  FollowOptions fo;
-  fo.quiet = true;
-  fo.timeout_s = 120;
-  const json st = follow_job(c, submit(c, spec), fo);
+  const json st = follow_to_end(c, submit(c, spec), 120);
   ASSERT_EQ(st["state"], "done") << st.dump();
   const json peers = c.peers()["peers"];
   ASSERT_EQ(peers.size(), 1u);
