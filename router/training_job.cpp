@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include "runtime/memory_estimate.h"
+
 namespace swarm::router {
 
 namespace {

@@ -35,7 +35,7 @@ ChaosAction action_of(const std::string& where, const json& v) {
   const std::string s = v.get<std::string>();
   for (size_t i = 0; i < names.size(); ++i)
     if (s == names[i]) return ChaosAction(i);
-  fail(where, "unknown action \"" + s + "\"; the actions are: " + join(names));
+  fail(where, "unknown action \"" + s + "\"" + suggestion(s, names) + "; the actions are: " + join(names));
 }
 
 // Which keys each kind of event takes: the timing keys, then the action's own.
@@ -65,6 +65,10 @@ ChaosEvent parse_event(const json& j, size_t i) {
       std::string hint;
       if (k == "duration_s" && e.action == ChaosAction::kKill) hint = " (a kill's down time is restart_after_s)";
       if (k == "restart_after_s" && e.action == ChaosAction::kStop) hint = " (a stop's length is duration_s)";
+      if (hint.empty()) {
+        const std::string best = did_you_mean(k, keys);
+        if (!best.empty()) hint = " (did you mean \"" + best + "\"?)";
+      }
       fail(where, "key \"" + k + "\" does not apply to a " + std::string(has_every ? "periodic " : "") +
                       chaos_action_name(e.action) + " event" + hint + "; it takes: " + join(keys));
     }
@@ -142,7 +146,7 @@ ChaosPlan parse_chaos_plan(const json& j) {
         }
       }
     } else if (k != "comment") {
-      fail(k, "unknown key; the keys are: seed, events, faults, comment");
+      fail(k, "unknown key" + suggestion(k, {"seed", "events", "faults", "comment"}) + "; the keys are: seed, events, faults, comment");
     }
   }
   return plan;

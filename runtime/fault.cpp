@@ -40,11 +40,13 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 std::string num(double v) { return shortest_number(v); }
 
-std::string all_actions() {
+std::vector<std::string> action_names() {
   std::vector<std::string> v;
   for (FaultAction a : kActions) v.push_back(fault_action_name(a));
-  return join(v);
+  return v;
 }
+std::string all_actions() { return join(action_names()); }
+
 
 // The keys an action takes, in canonical order.
 std::vector<std::string> keys_of(FaultAction a) {
@@ -95,7 +97,7 @@ std::optional<FaultPoint> point_named(const std::string& s) {
 FaultAction parse_action(const Where& w, const std::string& name) {
   if (name.empty()) w.fail("no action; give ACTION[,key=value...], e.g. crash,after=20; actions: " + all_actions());
   auto a = action_named(name);
-  if (!a) w.fail("unknown action \"" + name + "\"; the actions are: " + all_actions());
+  if (!a) w.fail("unknown action \"" + name + "\"" + suggestion(name, action_names()) + "; the actions are: " + all_actions());
   return *a;
 }
 
@@ -120,7 +122,7 @@ void set_key(FaultSpec& s, const Where& w, const std::string& key, const json& v
   if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
     static const std::vector<std::string> all = {"point", "on", "after", "step", "after_s", "p", "count",
                                                  "duration_s", "factor", "delay_ms"};
-    std::string msg = std::find(all.begin(), all.end(), key) == all.end() ? "unknown key \"" + key + "\""
+    std::string msg = std::find(all.begin(), all.end(), key) == all.end() ? "unknown key \"" + key + "\"" + suggestion(key, keys)
                                                                           : "key \"" + key + "\" does not apply to " + action;
     w.fail(msg + "; " + action + " takes: " + join(keys));
   }
@@ -329,7 +331,7 @@ FaultPlan parse_fault_plan(const json& j) {
       if (!item.value().is_array()) throw InputError("fault plan: faults must be a list of faults");
       for (const auto& f : item.value()) plan.faults.push_back(parse_fault_json(f));
     } else {
-      throw InputError("fault plan: unknown key \"" + item.key() + "\"; the keys are: seed, faults");
+      throw InputError("fault plan: unknown key \"" + item.key() + "\"" + suggestion(item.key(), {"seed", "faults"}) + "; the keys are: seed, faults");
     }
   }
   return plan;

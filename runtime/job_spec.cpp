@@ -40,46 +40,7 @@ std::string join_path(const std::string& parent, const std::string& key) {
 
 std::string num(double v) { return shortest_number(v); }
 
-// Long user strings are cut in messages so one error stays one readable line, at a UTF-8
-// character boundary (a continuation byte is 10xxxxxx) so the message stays UTF-8.
-std::string clip(const std::string& s) {
-  if (s.size() <= 80) return s;
-  size_t cut = 77;
-  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xc0) == 0x80) --cut;
-  return s.substr(0, cut) + "...";
-}
 std::string quote(const std::string& s) { return "\"" + clip(s) + "\""; }
-// A value as JSON for a message, cut like clip(). Containers below the second level show as
-// [...] and {...}: dump() recurses once per level, and a 1 MiB spec can nest 500,000 deep.
-// A spec from msgpack (SUBMIT, LOAD_STAGE) may hold strings that are not UTF-8, which dump()
-// would throw on: such bytes are shown as U+FFFD.
-void preview(const json& v, int depth, std::string& out) {
-  if (out.size() > 80) return;
-  if (!v.is_array() && !v.is_object()) {
-    out += v.dump(-1, ' ', false, json::error_handler_t::replace);
-    return;
-  }
-  const bool array = v.is_array();
-  if (depth >= 2 && !v.empty()) {
-    out += array ? "[...]" : "{...}";
-    return;
-  }
-  out += array ? '[' : '{';
-  bool first = true;
-  for (auto it = v.begin(); it != v.end() && out.size() <= 80; ++it) {
-    if (!first) out += ',';
-    first = false;
-    if (!array) out += json(it.key()).dump(-1, ' ', false, json::error_handler_t::replace) + ':';
-    preview(*it, depth + 1, out);
-  }
-  out += array ? ']' : '}';
-}
-std::string shown(const json& v) {
-  std::string out;
-  preview(v, 0, out);
-  return clip(out);
-}
-
 const char* type_name(const json& v) {
   switch (v.type()) {
     case json::value_t::null: return "null";
@@ -92,25 +53,6 @@ const char* type_name(const json& v) {
     case json::value_t::object: return "an object";
     default: return "an unsupported value";
   }
-}
-
-// Edit distance where swapping two adjacent characters counts as one edit (optimal string
-// alignment), so "stpes" is one edit from "steps".
-size_t edit_distance(const std::string& a, const std::string& b) {
-  const size_t n = a.size(), m = b.size();
-  std::vector<std::vector<size_t>> d(n + 1, std::vector<size_t>(m + 1));
-  for (size_t i = 0; i <= n; ++i) d[i][0] = i;
-  for (size_t j = 0; j <= m; ++j) d[0][j] = j;
-  for (size_t i = 1; i <= n; ++i) {
-    for (size_t j = 1; j <= m; ++j) {
-      const size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
-      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
-        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
-      }
-    }
-  }
-  return d[n][m];
 }
 
 // One JSON object being read: checks its keys against the allowed ones before any field is
@@ -127,19 +69,10 @@ class Obj {
     for (const auto& item : j_.items()) {
       const std::string& k = item.key();
       if (std::find(allowed.begin(), allowed.end(), k) != allowed.end()) continue;
-      std::string best;
-      size_t best_d = std::numeric_limits<size_t>::max();
-      // A suggestion is at most a third of the shorter word away, so a key much longer than
-      // every allowed one (they are under 24 bytes) has none; the distance table costs
-      // k.size() x 24 per allowed key, seconds for the 1 MiB key a spec text may hold.
-      for (const auto& a : allowed) {
-        if (k.size() > a.size() + 24) continue;
-        size_t d = edit_distance(k, a);
-        if (d < best_d) best_d = d, best = a;
-      }
+      const std::string best = did_you_mean(k, allowed);
       std::string msg = "unknown key " + quote(k);
       // A suggestion only when the typo is small compared with the word.
-      if (!best.empty() && best_d <= std::max<size_t>(1, std::min(k.size(), best.size()) / 3)) {
+      if (!best.empty()) {
         msg += ": did you mean " + quote(join_path(path_, best)) + "?";
       } else {
         msg += "; the keys allowed here are:";
@@ -165,23 +98,23 @@ class Obj {
     int64_t x = 0;
     if (v->is_number_integer() || v->is_number_unsigned()) {
       if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(std::numeric_limits<int>::max())) {
-        fail(at(key), "value " + shown(*v) + " is too large");
+        fail(at(key), "value " + shown_json(*v) + " is too large");
       }
       x = v->get<int64_t>();
     } else if (v->is_number_float()) {
       double d = v->get<double>();
       if (!std::isfinite(d) || d != std::floor(d)) {
-        fail(at(key), "must be a whole number, got " + shown(*v));
+        fail(at(key), "must be a whole number, got " + shown_json(*v));
       }
       if (std::fabs(d) > double(std::numeric_limits<int>::max())) {
-        fail(at(key), "value " + shown(*v) + " is too large");
+        fail(at(key), "value " + shown_json(*v) + " is too large");
       }
       x = int64_t(d);
     } else {
-      fail(at(key), std::string("must be an integer, got ") + type_name(*v) + " " + shown(*v));
+      fail(at(key), std::string("must be an integer, got ") + type_name(*v) + " " + shown_json(*v));
     }
     if (x > std::numeric_limits<int>::max() || x < std::numeric_limits<int>::min()) {
-      fail(at(key), "value " + shown(*v) + " is too large");
+      fail(at(key), "value " + shown_json(*v) + " is too large");
     }
     out = int(x);
   }
@@ -193,11 +126,11 @@ class Obj {
       out = v->get<uint64_t>();
     } else if (v->is_number_integer()) {
       int64_t x = v->get<int64_t>();
-      if (x < 0) fail(at(key), "must be a non-negative integer, got " + shown(*v));
+      if (x < 0) fail(at(key), "must be a non-negative integer, got " + shown_json(*v));
       out = uint64_t(x);
     } else {
       fail(at(key), std::string("must be a non-negative integer, got ") + type_name(*v) + " " +
-                        shown(*v));
+                        shown_json(*v));
     }
   }
 
@@ -205,7 +138,7 @@ class Obj {
     const json* v = find(key);
     if (!v) return;
     if (!v->is_number()) {
-      fail(at(key), std::string("must be a number, got ") + type_name(*v) + " " + shown(*v));
+      fail(at(key), std::string("must be a number, got ") + type_name(*v) + " " + shown_json(*v));
     }
     out = v->get<double>();
     if (!std::isfinite(out)) fail(at(key), "must be a finite number");
@@ -215,7 +148,7 @@ class Obj {
     const json* v = find(key);
     if (!v) return;
     if (!v->is_boolean()) {
-      fail(at(key), std::string("must be true or false, got ") + type_name(*v) + " " + shown(*v));
+      fail(at(key), std::string("must be true or false, got ") + type_name(*v) + " " + shown_json(*v));
     }
     out = v->get<bool>();
   }
@@ -224,7 +157,7 @@ class Obj {
     const json* v = find(key);
     if (!v) return;
     if (!v->is_string()) {
-      fail(at(key), std::string("must be a string, got ") + type_name(*v) + " " + shown(*v));
+      fail(at(key), std::string("must be a string, got ") + type_name(*v) + " " + shown_json(*v));
     }
     out = v->get<std::string>();
     if (out.size() > limits::kMaxStringBytes) {
@@ -238,7 +171,7 @@ class Obj {
     if (!v) return;
     if (!v->is_array()) {
       fail(at(key), std::string("must be a list of integers, got ") + type_name(*v) + " " +
-                        shown(*v));
+                        shown_json(*v));
     }
     if (v->size() > size_t(limits::kMaxStages)) {
       fail(at(key), "has " + std::to_string(v->size()) + " entries, over the limit of " +
@@ -252,9 +185,9 @@ class Obj {
           e.get<int64_t>() <= std::numeric_limits<int>::max()) {
         out.push_back(int(e.get<int64_t>()));
       } else if (e.is_number_unsigned()) {
-        fail(p, "value " + shown(e) + " is too large");
+        fail(p, "value " + shown_json(e) + " is too large");
       } else {
-        fail(p, std::string("must be an integer, got ") + type_name(e) + " " + shown(e));
+        fail(p, std::string("must be an integer, got ") + type_name(e) + " " + shown_json(e));
       }
     }
   }
@@ -276,7 +209,7 @@ void read_paths(const Obj& o, std::vector<std::string>& out) {
   out.clear();
   auto take = [&](const json& e, const std::string& p) {
     if (!e.is_string()) {
-      fail(p, std::string("must be a file path (string), got ") + type_name(e) + " " + shown(e));
+      fail(p, std::string("must be a file path (string), got ") + type_name(e) + " " + shown_json(e));
     }
     std::string s = e.get<std::string>();
     if (s.empty()) fail(p, "is an empty string; give a file path");
@@ -294,7 +227,7 @@ void read_paths(const Obj& o, std::vector<std::string>& out) {
     for (size_t i = 0; i < v->size(); ++i) take((*v)[i], o.at("path") + "[" + std::to_string(i) + "]");
   } else {
     fail(o.at("path"), std::string("must be a file path or a list of file paths, got ") +
-                           type_name(*v) + " " + shown(*v));
+                           type_name(*v) + " " + shown_json(*v));
   }
 }
 
@@ -855,22 +788,6 @@ json to_json(const JobSpec& s) {
                   {"start_peers", s.routing.start_peers},
                   {"start_wait_s", s.routing.start_wait_s}};
   return j;
-}
-
-std::vector<int64_t> stage_parameter_counts(const JobSpec& spec) {
-  const ModelSpec& m = spec.model;
-  const int64_t C = m.d_model, V = m.vocab_size, T = m.max_seq_len > 0 ? m.max_seq_len : m.seq_len, b = m.bias ? 1 : 0;
-  // ln_1, c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weights, then biases when bias is on).
-  const int64_t block = (C + 3 * C * C + C * C + C + 4 * C * C + 4 * C * C) + b * (C + 3 * C + C + C + 4 * C + C);
-  std::vector<int64_t> out;
-  const int S = spec.partition.stages;
-  for (int s = 0; s < S; ++s) {
-    int64_t n = block * spec.partition.layers_per_stage[size_t(s)];
-    if (s == 0) n += V * C + T * C;
-    if (s == S - 1) n += C + b * C + V * C;
-    out.push_back(n);
-  }
-  return out;
 }
 
 bool operator==(const JobSpec& a, const JobSpec& b) { return to_json(a) == to_json(b); }

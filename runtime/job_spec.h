@@ -179,11 +179,6 @@ JobSpec parse_job_spec(const nlohmann::json& j, bool check_files = true);
 JobSpec parse_job_spec_text(const std::string& text, bool check_files = true);
 nlohmann::json to_json(const JobSpec& spec);
 
-// Parameters per stage of the GPT the spec describes (stages/model.h builds exactly these):
-// token and position embeddings on stage 0, its blocks on every stage, the final norm and the
-// LM head on the last. The router takes a stage's size from here, never from a peer.
-std::vector<int64_t> stage_parameter_counts(const JobSpec& spec);
-
 // Whether job step `step` (1-based) is dense: the stage group sums its gradients and every peer
 // takes the same step (diloco.sync "every_step", and the warm start of "rounds"). The pipeline
 // flushes before such a step under every schedule.

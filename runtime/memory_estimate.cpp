@@ -16,6 +16,22 @@
 #include "runtime/errors.h"
 
 namespace swarm {
+
+std::vector<int64_t> stage_parameter_counts(const JobSpec& spec) {
+  const ModelSpec& m = spec.model;
+  const int64_t C = m.d_model, V = m.vocab_size, T = m.max_seq_len > 0 ? m.max_seq_len : m.seq_len, b = m.bias ? 1 : 0;
+  // ln_1, c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weights, then biases when bias is on).
+  const int64_t block = (C + 3 * C * C + C * C + C + 4 * C * C + 4 * C * C) + b * (C + 3 * C + C + C + 4 * C + C);
+  std::vector<int64_t> out;
+  const int S = spec.partition.stages;
+  for (int s = 0; s < S; ++s) {
+    int64_t n = block * spec.partition.layers_per_stage[size_t(s)];
+    if (s == 0) n += V * C + T * C;
+    if (s == S - 1) n += C + b * C + V * C;
+    out.push_back(n);
+  }
+  return out;
+}
 namespace {
 
 constexpr int64_t kMiB = int64_t(1) << 20;

@@ -8,12 +8,18 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "runtime/graph_cache.h"
 #include "runtime/job_spec.h"
 #include "runtime/precision.h"
 
 namespace swarm {
+
+// Parameters per stage of the GPT the spec describes (stages/model.h builds exactly these):
+// token and position embeddings on stage 0, its blocks on every stage, the final norm and the
+// LM head on the last. The router takes a stage's size from here, never from a peer.
+std::vector<int64_t> stage_parameter_counts(const JobSpec& spec);
 
 struct StageMemory {
   int64_t params = 0;           // parameters of the stage

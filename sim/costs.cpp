@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "runtime/errors.h"
+#include "runtime/memory_estimate.h"
 #include "sim/stage_replies.h"
 
 namespace swarm::sim {

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "runtime/limits.h"
+#include "runtime/text.h"
 
 namespace swarm::sim {
 
@@ -61,9 +62,8 @@ class Fields {
   void done() const {
     for (const auto& [k, v] : j_.items())
       if (!seen_.count(k)) {
-        std::string known;
-        for (const auto& s : seen_) known += (known.empty() ? "" : ", ") + s;
-        fail("unknown key \"" + k + "\" (known here: " + known + ")");
+        const std::vector<std::string> known(seen_.begin(), seen_.end());
+        fail("unknown key \"" + k + "\"" + suggestion(k, known) + " (known here: " + join(known) + ")");
       }
   }
 

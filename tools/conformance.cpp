@@ -25,6 +25,7 @@
 
 #include "runtime/errors.h"
 #include "runtime/job_spec.h"
+#include "runtime/memory_estimate.h"
 #include "runtime/messages.h"
 #include "runtime/random.h"
 #include "runtime/wire.h"

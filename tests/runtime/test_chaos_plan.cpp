@@ -74,7 +74,12 @@ TEST(ChaosPlan, BadPlansSayWhatToFix) {
   EXPECT_NE(e.find("faults.stage1-0"), std::string::npos) << e;
   EXPECT_NE(e.find("unknown key \"factr\""), std::string::npos) << e;
   EXPECT_NE(error_of(R"({"faults": {"stage1-0": "slow"}})").find("must be a list of faults"), std::string::npos);
-  EXPECT_NE(error_of(R"({"evnts": []})").find("unknown key; the keys are: seed, events, faults, comment"), std::string::npos);
+  EXPECT_NE(error_of(R"({"evnts": []})").find("unknown key: did you mean \"events\"?; the keys are: seed, events, faults, comment"), std::string::npos);
+  EXPECT_NE(error_of(R"({"schedule": []})").find("schedule: unknown key; the keys are:"), std::string::npos);  // no word is near
+  e = error_of(R"({"events": [{"at_s": 1, "action": "kil"}]})");
+  EXPECT_NE(e.find("unknown action \"kil\": did you mean \"kill\"?; the actions are"), std::string::npos) << e;
+  e = error_of(R"({"events": [{"at_s": 1, "action": "kill", "peeer": "stage1-0"}]})");
+  EXPECT_NE(e.find("key \"peeer\" does not apply to a kill event (did you mean \"peer\"?); it takes:"), std::string::npos) << e;
   EXPECT_NE(error_of("[]").find("give an object"), std::string::npos);
 }
 

@@ -105,7 +105,7 @@ TEST(Sim, ABadScenarioSaysWhatToFix) {
   EXPECT_NO_THROW(parse_scenario(ok, ""));
   json typo = ok;
   typo["peers"][0]["cuont"] = 2;
-  EXPECT_NE(err(typo).find("unknown key \"cuont\""), std::string::npos) << err(typo);
+  EXPECT_NE(err(typo).find("unknown key \"cuont\": did you mean \"count\"?"), std::string::npos) << err(typo);
   json prof = ok;
   prof["peers"][0]["profile"] = "h100";
   EXPECT_NE(err(prof).find("profile \"h100\" is not known"), std::string::npos) << err(prof);

@@ -20,6 +20,7 @@
 
 #include "runtime/diloco.h"
 #include "runtime/job_spec.h"
+#include "runtime/memory_estimate.h"
 #include "runtime/random.h"
 #include "runtime/wire.h"
 #include "stages/model.h"
