@@ -1,5 +1,6 @@
 // swarm_test_util.h: what the multi-process tests share: temp dirs, a small text corpus, a
-// tiny job spec, submitting and waiting, running a command.
+// tiny job spec, submitting and waiting, running a command, the one-process reference and the
+// exported model checked in PyTorch.
 #pragma once
 
 #include <signal.h>
@@ -24,6 +25,8 @@
 #include <gtest/gtest.h>
 
 #include "runtime/client.h"
+#include "runtime/data.h"
+#include "runtime/job_spec.h"
 #include "tools/local_swarm.h"
 
 namespace swarm::testing {
@@ -153,6 +156,43 @@ inline std::pair<int, std::string> run(const std::string& cmd) {
   while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
   int st = p ? pclose(p) : -1;
   return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+// `swarm reference JOB_PATH --threads 1 --json`: its "done" event (with "losses", one a step),
+// or a test failure and an empty object.
+inline json run_reference(const std::string& job_path) {
+  const auto [rc, out] = run(kBuild + "/swarm reference " + job_path + " --threads 1 --json");
+  json done;
+  for (size_t a = 0, b; (b = out.find('\n', a)) != std::string::npos; a = b + 1) {
+    json j = json::parse(out.substr(a, b - a), nullptr, false);
+    if (j.is_object() && j.value("event", "") == "done") done = j;
+  }
+  if (rc != 0 || !done.contains("losses")) ADD_FAILURE() << "swarm reference " << job_path << " exited " << rc << ": " << out;
+  return done;
+}
+
+// Plain PyTorch (Debian's python3-torch, tests/python/check_export.py) runs the model that
+// `swarm export` wrote to DIR/model.pt on the validation microbatches the router evaluated for
+// `spec`: its loss is the swarm's `val_loss`, within 1e-3.
+inline void expect_export_gives_val_loss(const std::string& dir, const json& spec, double val_loss) {
+  const JobSpec js = parse_job_spec(spec);
+  TokenData td = TokenData::load(js.data, js.model.seq_len, js.model.vocab_size);
+  const int B = js.batch.microbatch_size, T = js.model.seq_len, n = js.eval.batches;
+  {
+    std::ofstream f(dir + "/val.bin", std::ios::binary);
+    const int32_t header[3] = {n, B, T};
+    f.write(reinterpret_cast<const char*>(header), sizeof(header));
+    for (int i = 0; i < n; ++i) {
+      Microbatch mb = sample_microbatch(td, Split::kVal, js.seed, uint64_t(i), B, T);
+      f.write(reinterpret_cast<const char*>(mb.x.data()), std::streamsize(mb.x.size() * 4));
+      f.write(reinterpret_cast<const char*>(mb.y.data()), std::streamsize(mb.y.size() * 4));
+    }
+  }
+  const auto [rc, out] = run("/usr/bin/python3 " + kSource + "/tests/python/check_export.py " + dir + "/model.pt " + dir +
+                             "/model.json " + dir + "/val.bin");
+  ASSERT_EQ(rc, 0) << "Debian's python3-torch is needed (tools/install-deps.sh installs it): " << out;
+  const json py = json::parse(out.substr(out.find('{')));
+  EXPECT_NEAR(py["loss"].get<double>(), val_loss, 1e-3) << out;
 }
 
 // The training losses of a status's history, in step order.

@@ -201,23 +201,5 @@ TEST(Durability, ExportedModelGivesTheSwarmsValidationLossInPyTorch) {
 
   auto [rc, out] = run(kBuild + "/swarm export " + dir + "/ckpt --out " + dir + "/model.pt");
   ASSERT_EQ(rc, 0) << out;
-  // The validation microbatches the router evaluated, as check_export.py reads them.
-  const JobSpec js = parse_job_spec(spec);
-  TokenData td = TokenData::load(js.data, js.model.seq_len, js.model.vocab_size);
-  const int B = js.batch.microbatch_size, T = js.model.seq_len, n = js.eval.batches;
-  {
-    std::ofstream f(dir + "/val.bin", std::ios::binary);
-    const int32_t header[3] = {n, B, T};
-    f.write(reinterpret_cast<const char*>(header), sizeof(header));
-    for (int i = 0; i < n; ++i) {
-      Microbatch mb = sample_microbatch(td, Split::kVal, js.seed, uint64_t(i), B, T);
-      f.write(reinterpret_cast<const char*>(mb.x.data()), std::streamsize(mb.x.size() * 4));
-      f.write(reinterpret_cast<const char*>(mb.y.data()), std::streamsize(mb.y.size() * 4));
-    }
-  }
-  std::tie(rc, out) = run("/usr/bin/python3 " + kSource + "/tests/python/check_export.py " + dir + "/model.pt " + dir +
-                          "/model.json " + dir + "/val.bin");
-  ASSERT_EQ(rc, 0) << "Debian's python3-torch is needed (tools/install-deps.sh installs it): " << out;
-  const json py = json::parse(out.substr(out.find('{')));
-  EXPECT_NEAR(py["loss"].get<double>(), st["val_loss"].get<double>(), 1e-3) << out;
+  expect_export_gives_val_loss(dir, spec, st["val_loss"].get<double>());
 }

@@ -54,14 +54,8 @@ TEST(SubspaceSwarm, SyncEqualsTheConstrainedReferenceOnExactBytesAndExportsToPyT
   const std::string path = dir + "/job.json";
   std::ofstream(path) << spec.dump();
 
-  auto [rc, out] = run(kBuild + "/swarm reference " + path + " --threads 1 --json");
-  ASSERT_EQ(rc, 0) << out;
-  json ref;
-  for (size_t a = 0, b; (b = out.find('\n', a)) != std::string::npos; a = b + 1) {
-    json j = json::parse(out.substr(a, b - a), nullptr, false);
-    if (j.is_object() && j.value("event", "") == "done") ref = j;
-  }
-  ASSERT_TRUE(ref.contains("losses")) << out;
+  const json ref = run_reference(path);
+  ASSERT_TRUE(ref.contains("losses"));
 
   json st;
   {
@@ -91,26 +85,9 @@ TEST(SubspaceSwarm, SyncEqualsTheConstrainedReferenceOnExactBytesAndExportsToPyT
 
   // The constraint lives in the weights: the exported nanoGPT state dict, run by plain PyTorch,
   // gives the loss the swarm measured through its codec.
-  std::tie(rc, out) = run(kBuild + "/swarm export " + dir + "/ckpt --out " + dir + "/model.pt");
+  auto [rc, out] = run(kBuild + "/swarm export " + dir + "/ckpt --out " + dir + "/model.pt");
   ASSERT_EQ(rc, 0) << out;
-  const JobSpec js = parse_job_spec(spec);
-  TokenData td = TokenData::load(js.data, js.model.seq_len, js.model.vocab_size);
-  const int B = js.batch.microbatch_size, n = js.eval.batches;
-  {
-    std::ofstream f(dir + "/val.bin", std::ios::binary);
-    const int32_t header[3] = {n, B, kT};
-    f.write(reinterpret_cast<const char*>(header), sizeof(header));
-    for (int i = 0; i < n; ++i) {
-      Microbatch mb = sample_microbatch(td, Split::kVal, js.seed, uint64_t(i), B, kT);
-      f.write(reinterpret_cast<const char*>(mb.x.data()), std::streamsize(mb.x.size() * 4));
-      f.write(reinterpret_cast<const char*>(mb.y.data()), std::streamsize(mb.y.size() * 4));
-    }
-  }
-  std::tie(rc, out) = run("/usr/bin/python3 " + kSource + "/tests/python/check_export.py " + dir + "/model.pt " + dir +
-                          "/model.json " + dir + "/val.bin");
-  ASSERT_EQ(rc, 0) << "Debian's python3-torch is needed (tools/install-deps.sh installs it): " << out;
-  const json py = json::parse(out.substr(out.find('{')));
-  EXPECT_NEAR(py["loss"].get<double>(), st["val_loss"].get<double>(), 1e-3) << out;
+  expect_export_gives_val_loss(dir, spec, st["val_loss"].get<double>());
 }
 
 TEST(SubspaceSwarm, LossyRoundsKeepGroupsEqualAndTheConstraintInTheWeights) {

@@ -86,14 +86,8 @@ TEST(Swarm, SyncScheduleMatchesSingleProcess) {
   const std::string path = dir + "/job.json";
   std::ofstream(path) << spec.dump();
 
-  auto [rc, out] = run(kBuild + "/swarm reference " + path + " --threads 1 --json");
-  ASSERT_EQ(rc, 0) << out;
-  json ref;
-  for (size_t a = 0, b; (b = out.find('\n', a)) != std::string::npos; a = b + 1) {
-    json j = json::parse(out.substr(a, b - a), nullptr, false);
-    if (j.is_object() && j.value("event", "") == "done") ref = j;
-  }
-  ASSERT_TRUE(ref.contains("losses")) << out;
+  const json ref = run_reference(path);
+  ASSERT_TRUE(ref.contains("losses"));
 
   LocalSwarm swarm(dir, kBuild);
   start_pipeline(swarm, 2);
