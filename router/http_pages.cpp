@@ -5,11 +5,12 @@
 
 namespace swarm::router {
 
-http::Pages http_pages(const RouterCore& core, double now) {
+http::Pages http_pages(const RouterCore& core, double now, const ServerCounters& server) {
   // Bytes from the network quoted in a status (a peer's name, an error) may not be UTF-8.
   auto dump = [](const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); };
   http::Pages p;
-  const RouterMetrics m = core.metrics(now);
+  RouterMetrics m = core.metrics(now);
+  m.server = server;
   p.metrics = exposition(m);
   p.status = dump(core.status_json(std::nullopt, now));
   nlohmann::json all = nlohmann::json::array();

@@ -12,6 +12,7 @@
 
 namespace swarm::router {
 
-http::Pages http_pages(const RouterCore& core, double now);
+// `server`: the loop's own counters, shown on /metrics.
+http::Pages http_pages(const RouterCore& core, double now, const ServerCounters& server = {});
 
 }  // namespace swarm::router

@@ -192,6 +192,11 @@ std::string exposition(const RouterMetrics& m) {
   out.family("swarm_router_bans_total", Type::kCounter, "Times a peer was banned from new work after an error.").sample({}, double(m.bans));
   out.family("swarm_router_clients", Type::kGauge, "Client sessions (swarm CLI) the router knows.").sample({}, double(m.clients));
   out.family("swarm_router_jobs", Type::kGauge, "Jobs the router holds, finished ones included.").sample({}, double(m.jobs));
+  out.family("swarm_router_messages_total", Type::kCounter, "Messages the router received from peers and clients (in) and sent (out).")
+      .sample({{"direction", "in"}}, double(m.server.messages_in))
+      .sample({{"direction", "out"}}, double(m.server.messages_out));
+  out.family("swarm_router_core_seconds_total", Type::kCounter, "Seconds the router spent deciding (inside its core), of its process CPU time.")
+      .sample({}, m.server.core_s);
   peers_section(out, m);
   if (m.has_job) job_section(out, m.job);
   metrics::process_metrics(out);

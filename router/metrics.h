@@ -113,9 +113,18 @@ struct PeerMetrics {
   bool banned = false, relayed = false;
 };
 
+// What the server loop around the core counts (router/server.cpp): the messages it took in and
+// sent, and the seconds spent inside the core's handlers; the rest of the process's CPU
+// (process_cpu_seconds_total) is ZeroMQ, CURVE, framing and checksums.
+struct ServerCounters {
+  uint64_t messages_in = 0, messages_out = 0;
+  double core_s = 0;
+};
+
 struct RouterMetrics {
   double uptime_s = 0;
   uint64_t bad_messages = 0, bans = 0, clients = 0, jobs = 0;
+  ServerCounters server;
   std::vector<PeerMetrics> peers;
   bool has_job = false;
   JobMetrics job;                              // the job `swarm status` shows by default (the newest)

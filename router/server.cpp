@@ -111,6 +111,7 @@ struct Server::Impl {
 
   // --http: the pages the loop publishes, and the server that serves them (destroyed first).
   http::Publisher pages;
+  ServerCounters counters;   // messages in and out, time in the core: /metrics
   std::unique_ptr<http::Server> http_server;
 
   explicit Impl(ServerOptions o) : opt(std::move(o)), core(opt.core) {
@@ -297,12 +298,22 @@ struct Server::Impl {
     return r;
   }
 
+  // A call into the core, timed for /metrics (swarm_router_core_seconds_total).
+  template <class F>
+  Actions decide(F&& f) {
+    const auto t = Clock::now();
+    Actions a = f();
+    counters.core_s += std::chrono::duration<double>(Clock::now() - t).count();
+    return a;
+  }
+
   // Carries out the core's actions in order. A send to a peer that is gone is reported back.
   void execute(Actions actions) {
     std::set<PeerId> unreachable;
     bool queued = false;
     for (Action& a : actions) {
       if (auto* s = std::get_if<Send>(&a)) {
+        counters.messages_out++;
         if (!wire::send(sock, s->msg, &s->to)) unreachable.insert(s->to);
       } else if (auto* lg = std::get_if<Log>(&a)) {
         log_line(lg->level, "router", lg->text, LogFields{lg->job ? lg->job : core.active_job(), lg->peer});
@@ -323,12 +334,13 @@ struct Server::Impl {
     }
     if (queued) cv.notify_one();
     for (const PeerId& p : unreachable)
-      if (core.registry().find(p)) execute(core.on_unreachable(p, now()));
+      if (core.registry().find(p)) execute(decide([&] { return core.on_unreachable(p, now()); }));
   }
 
   // One message: whatever goes wrong with it costs that message, never the router. A broken
   // invariant of our own is logged loudly (it is a bug) and the loop carries on.
   void on_frames(wire::Received& r) {
+    counters.messages_in++;
     try {
       handle(r);
     } catch (const std::exception& e) {
@@ -360,17 +372,17 @@ struct Server::Impl {
     try {
       env = wire::peek_envelope(r.frames);
     } catch (const WireError& e) {
-      return execute(core.on_undecodable(r.route, e, std::nullopt, now()));
+      return execute(decide([&] { return core.on_undecodable(r.route, e, std::nullopt, now()); }));
     }
     // Nothing but HELLO from a stranger: its body and tensors are not even parsed.
-    if (!core.accepts(r.route, env.type)) return execute(core.on_message(r.route, wire::Message(env.type, env.id, env.attempt), now(), *who));
+    if (!core.accepts(r.route, env.type)) return execute(decide([&] { return core.on_message(r.route, wire::Message(env.type, env.id, env.attempt), now(), *who); }));
     wire::Message m;
     try {
       m = wire::decode(r.frames);
     } catch (const WireError& e) {
-      return execute(core.on_undecodable(r.route, e, env.id, now()));
+      return execute(decide([&] { return core.on_undecodable(r.route, e, env.id, now()); }));
     }
-    execute(core.on_message(r.route, std::move(m), now(), *who));
+    execute(decide([&] { return core.on_message(r.route, std::move(m), now(), *who); }));
   }
 
   void drain_disk() {
@@ -380,13 +392,14 @@ struct Server::Impl {
       done.swap(results);
     }
     for (auto& d : done) {
-      if (auto* l = std::get_if<JobLoaded>(&d)) execute(core.on_job_loaded(std::move(*l), now()));
-      else execute(core.on_checkpoint_written(std::move(std::get<CheckpointWritten>(d)), now()));
+      if (auto* l = std::get_if<JobLoaded>(&d)) execute(decide([&] { return core.on_job_loaded(std::move(*l), now()); }));
+      else execute(decide([&] { return core.on_checkpoint_written(std::move(std::get<CheckpointWritten>(d)), now()); }));
     }
   }
 
   void run(std::atomic<bool>& stop) {
-    execute(core.restore(read_state_dir(opt.core.state_dir), now()));
+    std::vector<StoredJob> stored = read_state_dir(opt.core.state_dir);
+    execute(decide([&] { return core.restore(std::move(stored), now()); }));
     while (!stop) {
       zmq::pollitem_t items[] = {{sock.handle(), 0, ZMQ_POLLIN, 0}};
       try {
@@ -407,10 +420,10 @@ struct Server::Impl {
         auth_checked_s = now();
         reload_authorized();
       }
-      execute(core.tick(now()));
-      if (http_server && pages.wanted()) pages.publish(http_pages(core, now()));   // only when a request asked
+      execute(decide([&] { return core.tick(now()); }));
+      if (http_server && pages.wanted()) pages.publish(http_pages(core, now(), counters));   // only when a request asked
     }
-    execute(core.shutdown(now()));
+    execute(decide([&] { return core.shutdown(now()); }));
   }
 };
 

@@ -744,7 +744,8 @@ int run_bench(const std::string& name, bool as_json) {
   if (name == "quality") return bench_quality(as_json);
   if (name == "gpu") return run_gpu_bench(as_json);
   if (name == "sim") return run_sim_bench(as_json);
-  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero, hosts, quality, sim, gpu" << std::endl;
+  if (name == "router") return run_router_bench(as_json);
+  std::cerr << "swarm bench: unknown benchmark '" << name << "'; available: codec, compression, transport, pipeline, diloco, faults, hetero, hosts, quality, sim, router, gpu" << std::endl;
   return 2;
 }
 

@@ -149,7 +149,7 @@ int main(int argc, char** argv) {
 
   std::string bench_name;
   auto* bench = app.add_subcommand("bench", "measure one thing against a reference in the same run (docs/benchmarks.md)");
-  bench->add_option("name", bench_name, "codec | compression | transport | pipeline | diloco | faults | hetero | hosts | quality | sim | gpu")->required();
+  bench->add_option("name", bench_name, "codec | compression | transport | pipeline | diloco | faults | hetero | hosts | quality | sim | router | gpu")->required();
   bench->add_flag("--json", as_json, "JSON lines, the last one the summary");
 
   auto* ref = app.add_subcommand("reference", "train the job in one process (the oracle the swarm is checked against)");

@@ -6,6 +6,7 @@
 // Chromium (tests/integration/dashboard_check.py): DOM checks, screenshots under
 // build/test-output/, and a killed peer leaving the page. Each test skips with a message when
 // its tool (Debian's prometheus, chromium) is missing; tools/install-deps.sh installs them.
+// Then the router's own counters under a thousand peers (`swarm bench router`).
 #include <gtest/gtest.h>
 
 #include <netinet/in.h>
@@ -15,6 +16,8 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include "runtime/client.h"
@@ -146,6 +149,12 @@ TEST(Observability, PromtoolAcceptsLiveMetricsAndTheApiMatchesTheCli) {
   EXPECT_NE(router_page.body.find("swarm_hop_latency_seconds_bucket{job_id=\"" + std::to_string(id) + "\",stage=\"1\",le=\"+Inf\"}"),
             std::string::npos);
   EXPECT_EQ(sample(router_page.body, "swarm_job_state{job_id=\"" + std::to_string(id) + "\",state=\"running\"}"), 1);
+  // The loop's own counters: three steps of two stages took hops' requests out and results in,
+  // and deciding them took some of the process's CPU time.
+  EXPECT_GE(sample(router_page.body, "swarm_router_messages_total{direction=\"in\"}"), 12);
+  EXPECT_GE(sample(router_page.body, "swarm_router_messages_total{direction=\"out\"}"), 12);
+  EXPECT_GT(sample(router_page.body, "swarm_router_core_seconds_total"), 0);
+  EXPECT_GT(sample(router_page.body, "process_cpu_seconds_total"), 0);
 
   const http::Response targets = http::get(swarm.http_url() + "/api/targets");
   ASSERT_EQ(targets.status, 200);
@@ -305,4 +314,40 @@ TEST(Observability, TheDashboardShowsTheSwarmInABrowserAndAKilledPeerLeavesIt) {
   EXPECT_TRUE(std::filesystem::exists(out + "/dashboard.png")) << report;
   EXPECT_TRUE(std::filesystem::exists(out + "/dashboard-after-kill.png")) << report;
   std::cout << report;
+}
+
+// `swarm bench router` with short windows: the real router process with 100 and then 1,000
+// peers (sockets of the bench's process answering as simulated stage servers), idle and then
+// training. The router takes every peer, loses nothing, and its /metrics counters account for
+// the traffic: heartbeats at the peers' pace while idle, more while training, part of its CPU in
+// the core.
+TEST(Observability, ARouterOfAThousandPeersCountsItsMessagesAndLosesNothing) {
+  auto [rc, out] = run("SWARM_ROUTER_BENCH_S=2 " + kBuild + "/swarm bench router --json");
+  ASSERT_EQ(rc, 0) << out;
+  std::map<int, json> cases;
+  json summary;
+  std::istringstream lines(out);
+  for (std::string l; std::getline(lines, l);) {
+    const json j = json::parse(l, nullptr, false);
+    if (j.is_object() && j.contains("peers")) cases[j["peers"].get<int>()] = j;
+    if (j.is_object() && j.contains("figures")) summary = j;
+  }
+  ASSERT_EQ(cases.size(), 2u) << out;
+  for (const auto& [n, c] : cases) {
+    SCOPED_TRACE("peers " + std::to_string(n));
+    EXPECT_EQ(c["state"], "running") << c.dump();
+    EXPECT_EQ(c["microbatches"]["lost"], 0) << c.dump();
+    // Idle: every peer heartbeats every 500 ms (about 2 N a second in), the router as many out.
+    const json& idle = c["idle"];
+    EXPECT_GT(idle["in_per_s"].get<double>(), 1.0 * n) << idle.dump();
+    EXPECT_LT(idle["in_per_s"].get<double>(), 3.0 * n) << idle.dump();
+    const json& tr = c["training"];
+    EXPECT_GT(tr["microbatches_per_s"].get<double>(), 0) << tr.dump();
+    EXPECT_GT(tr["messages_per_s"].get<double>(), idle["messages_per_s"].get<double>()) << tr.dump();
+    EXPECT_GT(tr["core_share"].get<double>(), 0) << tr.dump();
+    EXPECT_LT(tr["core_share"].get<double>(), 1) << tr.dump();
+  }
+  ASSERT_TRUE(summary.contains("figures")) << out;
+  EXPECT_GT(summary["figures"]["router_us_per_message_1000"]["value"].get<double>(), 0);
+  EXPECT_GT(summary["figures"]["router_vs_core_1000"]["value"].get<double>(), 1);
 }
