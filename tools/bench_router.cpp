@@ -348,10 +348,16 @@ json run_size(int n, double ms_per_unit, double window_s, bool as_json) {
 
 int run_router_bench(bool as_json) {
   // A thousand peers are a thousand sockets here and a thousand connections in the router.
+  // Each peer's socket takes two descriptors here (its connection and its mailbox).
   rlimit nofile{};
   if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
     nofile.rlim_cur = nofile.rlim_max;
     setrlimit(RLIMIT_NOFILE, &nofile);
+  }
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < 3000) {
+    std::cerr << "swarm bench router: 1,000 peers need about 2,100 open files, and this process may open "
+              << nofile.rlim_cur << "; raise the limit (ulimit -n 4096, or the hard limit as root)\n";
+    return 1;
   }
   const double window_s = std::getenv("SWARM_ROUTER_BENCH_S") ? std::atof(std::getenv("SWARM_ROUTER_BENCH_S")) : 10.0;
   const double ms_per_unit = std::getenv("SWARM_ROUTER_BENCH_MS") ? std::atof(std::getenv("SWARM_ROUTER_BENCH_MS")) : 10.0;
