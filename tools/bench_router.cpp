@@ -59,7 +59,11 @@ struct Peer {
   sim::Quirks quirks;
   bool welcomed = false;
   double hello_s = -1e9, last_beat_s = 0, last_sent_s = 0, busy_until = 0;
-  std::deque<std::pair<double, wire::Message>> work;   // requests and when their compute ends
+  struct Work {
+    double done_s = 0, compute_ms = 0;   // when its compute ends, and what it took
+    wire::Message request;
+  };
+  std::deque<Work> work;   // in the order its one compute thread takes them
 };
 
 // N peers in one thread: they join, heartbeat and answer until stop() (their sockets close).
@@ -86,7 +90,6 @@ class Swarm {
     stop_ = true;
     if (thread_.joinable()) thread_.join();
   }
-  uint64_t answered() const { return answered_; }
 
  private:
   double now() const { return std::chrono::duration<double>(Clock::now() - t0_).count(); }
@@ -131,9 +134,9 @@ class Swarm {
       default: break;
     }
     // A request: it waits for the peer's one compute thread, then takes its work's time.
-    const double units = sim::work_units(m.type, sim::has_graph(p.book, m));
-    p.busy_until = std::max(p.busy_until, now()) + units * ms_per_unit_ / 1000.0;
-    p.work.emplace_back(p.busy_until, std::move(m));
+    const double ms = sim::work_units(m.type, sim::has_graph(p.book, m)) * ms_per_unit_;
+    p.busy_until = std::max(p.busy_until, now()) + ms / 1000.0;
+    p.work.push_back({p.busy_until, ms, std::move(m)});
   }
 
   // Everything that arrived for peer i.
@@ -178,12 +181,10 @@ class Swarm {
           if (t - p.hello_s >= 1.0) hello(p);
           continue;
         }
-        while (!p.work.empty() && p.work.front().first <= t) {
-          wire::Message req = std::move(p.work.front().second);
+        while (!p.work.empty() && p.work.front().done_s <= t) {
+          Peer::Work w = std::move(p.work.front());
           p.work.pop_front();
-          std::optional<wire::Message> rep = sim::reply(p.book, req, {}, ms_per_unit_ * sim::work_units(req.type, true), t, p.quirks, payloads_);
-          if (rep) send(p, std::move(*rep));
-          answered_++;
+          if (std::optional<wire::Message> rep = sim::reply(p.book, w.request, {}, w.compute_ms, t, p.quirks, payloads_)) send(p, std::move(*rep));
         }
         if (t >= timing::next_heartbeat_s(p.last_beat_s, p.last_sent_s, beat_s_, liveness_)) {
           p.last_beat_s = t;
@@ -208,7 +209,6 @@ class Swarm {
   double beat_s_ = 0.5;
   int liveness_ = 3;
   std::atomic<bool> stop_{false};
-  std::atomic<uint64_t> answered_{0};
   const Clock::time_point t0_ = Clock::now();
   std::thread thread_;
 };
