@@ -47,7 +47,6 @@ std::vector<std::string> action_names() {
 }
 std::string all_actions() { return join(action_names()); }
 
-
 // The keys an action takes, in canonical order.
 std::vector<std::string> keys_of(FaultAction a) {
   std::vector<std::string> k = {"point", "on", "after", "step", "after_s", "p", "count"};

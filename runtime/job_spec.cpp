@@ -71,7 +71,6 @@ class Obj {
       if (std::find(allowed.begin(), allowed.end(), k) != allowed.end()) continue;
       const std::string best = did_you_mean(k, allowed);
       std::string msg = "unknown key " + quote(k);
-      // A suggestion only when the typo is small compared with the word.
       if (!best.empty()) {
         msg += ": did you mean " + quote(join_path(path_, best)) + "?";
       } else {

@@ -66,4 +66,20 @@ json run_swarm(const JobSpec& spec, int threads, const char* what, int peers_per
   return st;
 }
 
+double cpu_seconds(const std::string& stat_path) {
+  std::ifstream f(stat_path);
+  std::string line;
+  if (!std::getline(f, line)) return 0;
+  const size_t close = line.rfind(')');   // after "pid (comm) ": the command may hold spaces
+  if (close == std::string::npos) return 0;
+  std::istringstream rest(line.substr(close + 2));
+  std::string field;
+  double utime = 0, stime = 0;
+  for (int k = 3; k <= 15 && rest >> field; ++k) {   // fields 14 and 15 of proc(5)
+    if (k == 14) utime = std::atof(field.c_str());
+    if (k == 15) stime = std::atof(field.c_str());
+  }
+  return (utime + stime) / double(sysconf(_SC_CLK_TCK));
+}
+
 }  // namespace swarm

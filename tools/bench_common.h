@@ -1,7 +1,7 @@
 // bench_common.h: what the `swarm bench` files share: a scratch
 // folder, one output line, the bundled example's job, a whole swarm run to its end, and its
-// training throughput (tools/bench_common.cpp). Defines swarm::temp_dir, emit, example_job,
-// run_swarm, train_tokens_per_s.
+// training throughput, and a process's or thread's CPU time (tools/bench_common.cpp). Defines
+// swarm::temp_dir, emit, example_job, run_swarm, train_tokens_per_s, cpu_seconds.
 #pragma once
 
 #include <string>
@@ -29,6 +29,9 @@ nlohmann::json run_swarm(const JobSpec& spec, int threads, const char* what, int
                          const std::vector<std::string>& stage_args = {});   // passed to every stage server
 // Tokens/s of the training steps, from a status's history (its last train-loss entry).
 double train_tokens_per_s(const nlohmann::json& status);
+// User + system CPU seconds from a /proc stat file: a process's (/proc/PID/stat) or one of its
+// threads' (/proc/PID/task/TID/stat); 0 when it cannot be read (the process is gone).
+double cpu_seconds(const std::string& stat_path);
 
 // `swarm bench quality` (tools/bench_quality.cpp).
 int bench_quality(bool as_json);

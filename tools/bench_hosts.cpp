@@ -19,10 +19,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <iostream>
 #include <map>
-#include <sstream>
 #include <thread>
 
 #include "runtime/client.h"
@@ -72,21 +70,9 @@ struct Case {
 
 // CPU seconds (user + system) the processes have used so far; a process gone counts 0.
 double cpu_seconds(const std::vector<pid_t>& pids) {
-  static const double tick = double(sysconf(_SC_CLK_TCK));
   double sum = 0;
-  for (pid_t p : pids) {
-    std::ifstream f("/proc/" + std::to_string(p) + "/stat");
-    std::string line;
-    if (!p || !std::getline(f, line)) continue;
-    std::istringstream rest(line.substr(line.rfind(')') + 2));  // after "pid (comm) "
-    std::string field;
-    double utime = 0, stime = 0;
-    for (int k = 3; k <= 15 && rest >> field; ++k) {  // fields 14 and 15 of proc(5)
-      if (k == 14) utime = std::atof(field.c_str());
-      if (k == 15) stime = std::atof(field.c_str());
-    }
-    sum += (utime + stime) / tick;
-  }
+  for (pid_t p : pids)
+    if (p) sum += swarm::cpu_seconds("/proc/" + std::to_string(p) + "/stat");
   return sum;
 }
 

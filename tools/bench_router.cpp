@@ -26,10 +26,8 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <iostream>
 #include <memory>
-#include <sstream>
 #include <thread>
 
 #include <zmq.hpp>
@@ -213,27 +211,9 @@ class Swarm {
   std::thread thread_;
 };
 
-// user + system CPU seconds from a /proc stat file (a process's, or one of its threads').
-double cpu_seconds(const std::string& stat_path) {
-  std::ifstream f(stat_path);
-  std::string line;
-  std::getline(f, line);
-  const size_t close = line.rfind(')');
-  if (close == std::string::npos) return 0;
-  std::istringstream rest(line.substr(close + 2));
-  std::string field;
-  unsigned long long utime = 0, stime = 0;
-  for (int i = 3; i <= 15 && rest >> field; ++i) {
-    if (i == 14) utime = std::stoull(field);
-    if (i == 15) stime = std::stoull(field);
-  }
-  return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
-}
-
 // The router's counters at one moment.
 struct Sample {
-  double t = 0, cpu_s = 0, loop_s = 0, core_s = 0, in = 0, out = 0, completed = 0;
-  std::map<std::string, double> io_s;   // each ZeroMQ I/O thread's CPU seconds, by thread id
+  double t = 0, cpu_s = 0, loop_s = 0, io_s = 0, core_s = 0, in = 0, out = 0, completed = 0;
 };
 
 double metric(const std::string& page, const std::string& series) {
@@ -252,7 +232,7 @@ Sample sample(const LocalSwarm& sw, Client& c, uint64_t job) {
   for (const auto& task : std::filesystem::directory_iterator(proc + "/task", ec)) {
     std::string comm;
     std::getline(std::ifstream(task.path() / "comm"), comm);
-    if (comm.rfind("ZMQbg/IO", 0) == 0) s.io_s[task.path().filename()] = cpu_seconds(task.path() / "stat");
+    if (comm.rfind("ZMQbg/IO", 0) == 0) s.io_s += cpu_seconds(task.path() / "stat");   // the router runs one
   }
   s.core_s = metric(r.body, "swarm_router_core_seconds_total");
   s.in = metric(r.body, "swarm_router_messages_total{direction=\"in\"}");
@@ -264,10 +244,7 @@ Sample sample(const LocalSwarm& sw, Client& c, uint64_t job) {
 // What one window says: per second, and the router's CPU per message.
 json window(const Sample& a, const Sample& b) {
   const double dt = b.t - a.t, msgs = (b.in - a.in) + (b.out - a.out), cpu = b.cpu_s - a.cpu_s, core = b.core_s - a.core_s,
-               loop = b.loop_s - a.loop_s;
-  double busiest = 0;
-  for (const auto& [tid, s] : b.io_s)
-    if (auto it = a.io_s.find(tid); it != a.io_s.end()) busiest = std::max(busiest, s - it->second);
+               loop = b.loop_s - a.loop_s, io = b.io_s - a.io_s;
   return {{"seconds", dt},
           {"messages_per_s", dt > 0 ? msgs / dt : 0.0},
           {"in_per_s", dt > 0 ? (b.in - a.in) / dt : 0.0},
@@ -275,10 +252,9 @@ json window(const Sample& a, const Sample& b) {
           {"us_per_message", msgs > 0 ? 1e6 * cpu / msgs : 0.0},
           {"core_us_per_message", msgs > 0 ? 1e6 * core / msgs : 0.0},
           {"loop_us_per_message", msgs > 0 ? 1e6 * loop / msgs : 0.0},           // the main thread, the core included
-          {"io_us_per_message", msgs > 0 ? 1e6 * (cpu - loop) / msgs : 0.0},     // ZeroMQ's I/O threads (and the HTTP threads)
-          {"busiest_io_us_per_message", msgs > 0 ? 1e6 * busiest / msgs : 0.0},
+          {"io_us_per_message", msgs > 0 ? 1e6 * io / msgs : 0.0},               // ZeroMQ's I/O thread
           // What the loop and the I/O thread would carry with a core each: the busier one's limit.
-          {"capacity_messages_per_s", msgs > 0 ? msgs / std::max({loop, busiest, 1e-9}) : 0.0},
+          {"capacity_messages_per_s", msgs > 0 ? msgs / std::max({loop, io, 1e-9}) : 0.0},
           {"core_share", cpu > 0 ? core / cpu : 0.0},
           {"microbatches_per_s", dt > 0 ? (b.completed - a.completed) / dt : 0.0}};
 }
