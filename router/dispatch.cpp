@@ -1,6 +1,7 @@
 // dispatch.cpp: choose_peer (see dispatch.h).
 #include "router/dispatch.h"
 
+#include <algorithm>
 #include <limits>
 
 namespace swarm {
@@ -8,6 +9,11 @@ namespace swarm {
 double expected_ms(const Candidate& c, double units, double default_ms_per_unit) {
   const double per = c.ms_per_unit > 0 ? c.ms_per_unit : default_ms_per_unit;
   return (c.queued_units + units) * per;
+}
+
+double queue_bound_units(double ms_per_unit, double max_queued_s) {
+  if (!(max_queued_s > 0)) return std::numeric_limits<double>::infinity();
+  return ms_per_unit > 0 ? std::max(kMinQueuedUnits, max_queued_s * 1000.0 / ms_per_unit) : kMinQueuedUnits;
 }
 
 int choose_peer(const std::vector<Candidate>& peers, double units, double affinity_units) {
@@ -27,7 +33,7 @@ int choose_peer(const std::vector<Candidate>& peers, double units, double affini
   double best_ms = std::numeric_limits<double>::infinity();
   for (size_t i = 0; i < peers.size(); ++i) {
     const auto& c = peers[i];
-    if (c.excluded) continue;
+    if (c.excluded || c.full) continue;
     const double ms = expected_ms(c, c.affinity ? affinity_units : elsewhere, min_per);
     // Ties go to the earlier candidate (callers pass peers in a stable order).
     if (ms < best_ms) {

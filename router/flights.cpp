@@ -70,7 +70,7 @@ Flight& Flights::add(uint64_t key, Flight f) {
 void Flights::clear(Ctx& c) {
   for (auto& [key, f] : flights_) release_all(c, f);
   flights_.clear();
-  waiting_.clear();
+  for (StageQueue& q : waiting_) q = StageQueue();
   where_.clear();
   backwards_sent_.clear();
 }
@@ -95,18 +95,40 @@ bool Flights::count_backward(const Flight& f) {
 }
 
 void Flights::dispatch(Ctx& c) {
-  for (auto it = waiting_.begin(); it != waiting_.end();) {
-    const uint64_t key = it->first;
-    Flight& f = *it->second;
-    if (c.now < f.not_before_s) {
-      ++it;
-      continue;
+  for (int s = 0; s < cfg_.stages; ++s) {
+    StageQueue& q = waiting_[size_t(s)];
+    if (q.flights.empty()) continue;
+    if (q.full && q.full_since == c.peers.ready_changes()) continue;   // no room until a hop there ends
+    q.full = false;
+    const bool ready = c.peers.any_ready(cfg_.job, s);   // else paused until a peer of the stage is ready
+    for (auto it = q.flights.begin(); it != q.flights.end();) {
+      const uint64_t key = it->first;
+      Flight& f = *it->second;
+      if (c.now < f.not_before_s) {
+        ++it;
+        continue;
+      }
+      // A tensor lost with its holder is made again first (at most once per stage).
+      for (int k = 0; k <= 2 * cfg_.stages && !repair(f); ++k) {}
+      if (f.stage != s) {
+        // Sent back to another stage: queued there (and sent in this pass if that stage is later).
+        it = q.flights.erase(it);
+        f.queued_at = -1;
+        track(key, f);
+        continue;
+      }
+      if (ready && !send_hop(c, key, f)) {
+        q.full = true;
+        q.full_since = c.peers.ready_changes();
+        break;
+      }
+      if (f.req_id != 0) {
+        it = q.flights.erase(it);
+        f.queued_at = -1;
+      } else {
+        ++it;
+      }
     }
-    // A tensor lost with its holder is made again first (at most once per stage).
-    for (int k = 0; k <= 2 * cfg_.stages && !repair(f); ++k) {}
-    if (c.peers.any_ready(cfg_.job, f.stage)) send_hop(c, key, f);  // else paused until a peer of the stage is ready
-    if (f.req_id != 0) it = waiting_.erase(it);
-    else ++it;
   }
 }
 
@@ -181,26 +203,43 @@ std::vector<Peer*> Flights::candidates(Ctx& c, const Flight& f) {
   return {c.peers.find(pipes[size_t(k)][size_t(f.stage)])};
 }
 
-void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
+bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   std::vector<Peer*> peers = candidates(c, f);
-  if (peers.empty()) return;  // paused until a peer of the stage is ready
-  size_t tried_live = 0;
-  for (const Peer* p : peers) tried_live += f.tried.count(p->id);
+  if (peers.empty()) return true;  // paused until a peer of the stage is ready
   std::vector<Candidate> cands;
-  cands.reserve(peers.size());
-  for (const Peer* p : peers) {
-    Candidate cd;
-    cd.queued_units = p->queued_units;
-    // The router's own measurement only: a peer it has not timed yet enters at the fastest
-    // measured speed (choose_peer), whatever its heartbeat says, so that a pessimistic first
-    // figure (a cold start, a load timed while its host was busy) cannot keep it from ever
-    // being tried, and measured.
-    cd.ms_per_unit = p->ms_per_unit;
-    cd.affinity = f.kind == HopKind::kBackward && f.fwd_peer[size_t(f.stage)] == p->id;
-    // A peer that failed this hop is tried again only once every live peer has failed it.
-    cd.excluded = c.peers.banned(*p, c.now) || (f.tried.count(p->id) && tried_live < peers.size());
-    cands.push_back(cd);
+  bool open = false;   // an eligible peer with room in its queue
+  auto describe = [&] {
+    size_t tried_live = 0;
+    for (const Peer* p : peers) tried_live += f.tried.count(p->id);
+    cands.clear();
+    cands.reserve(peers.size());
+    open = false;
+    bool eligible = false;
+    for (const Peer* p : peers) {
+      Candidate cd;
+      cd.queued_units = p->queued_units;
+      // The router's own measurement only: a peer it has not timed yet enters at the fastest
+      // measured speed (choose_peer), whatever its heartbeat says, so that a pessimistic first
+      // figure (a cold start, a load timed while its host was busy) cannot keep it from ever
+      // being tried, and measured.
+      cd.ms_per_unit = p->ms_per_unit;
+      cd.affinity = f.kind == HopKind::kBackward && f.fwd_peer[size_t(f.stage)] == p->id;
+      // A peer that failed this hop is tried again only once every live peer has failed it.
+      cd.excluded = c.peers.banned(*p, c.now) || (f.tried.count(p->id) && tried_live < peers.size());
+      cd.full = p->queued_units >= queue_bound_units(p->ms_per_unit > 0 ? p->deadline_ms_per_unit() : 0, cfg_.max_queued_s);
+      eligible |= !cd.excluded;
+      open |= !cd.excluded && !cd.full;
+      cands.push_back(cd);
+    }
+    return eligible;
+  };
+  bool eligible = describe();
+  // A large stage's sample all full: the whole stage may still have room.
+  if (eligible && !open && peers.size() < c.peers.ready_count(cfg_.job, f.stage)) {
+    peers = c.peers.stage_peers(cfg_.job, f.stage, c.now);
+    eligible = describe();
   }
+  if (eligible && !open) return false;   // waits at the router for a peer with room
   const double units = cfg_.echo ? kForwardUnits : hop_units(f.kind);
   int pick = choose_peer(cands, units, kBackwardCachedUnits);
   if (pick < 0) {
@@ -274,6 +313,7 @@ void Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
     pushes++;
   }
   hop_metrics.sent(f.req_id, f.stage, label);
+  return true;
 }
 
 Peer* Flights::ahead_target(Ctx& c, const Flight& f, const Peer& to) {
@@ -319,6 +359,7 @@ void Flights::late_pushes(Ctx& c, Peer& to, uint64_t n) {
 
 HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
   HopOutcome out;
+  room_at(pd.stage);
   auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) {
     if (!m.refs.empty()) c.release(p.id, pd.id);  // late: the hop moved on, and nobody needs what it holds
@@ -407,7 +448,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   auto complete = [&](HopOutcome::What what) {
     out.what = what;
     release_all(c, f);
-    waiting_.erase(pd.key);
+    if (f.queued_at >= 0) waiting_[size_t(f.queued_at)].flights.erase(pd.key);
     where_.erase(pd.key);
     flights_.erase(it);
     return out;
@@ -421,7 +462,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       }
       put(f.inputs[s + 1], take());
       f.stage++;
-      return out;
+      break;
     case HopKind::kForward:
       f.fwd_peer[s] = p.id;
       put(f.inputs[s + 1], take());
@@ -433,7 +474,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       } else {
         f.kind = f.stage == cfg_.stages - 1 ? HopKind::kForwardLoss : HopKind::kForward;
       }
-      return out;
+      break;
     case HopKind::kForwardLoss:
       if (!f.loss_recorded) out.loss = *r.loss;
       f.loss_recorded = true;
@@ -443,7 +484,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       f.grad_peer[s - 1] = p.id;
       f.stage--;
       f.kind = HopKind::kBackward;
-      return out;
+      break;
     case HopKind::kBackward: {
       if (r.cached.value_or(false)) cached++;
       else recomputed++;
@@ -454,14 +495,16 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       put(f.grads[s - 1], take());
       f.grad_peer[s - 1] = p.id;
       f.stage--;
-      return out;
+      break;
     }
   }
+  track(pd.key, f);   // queued at its next stage
   return out;
 }
 
 HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) {
   HopFailure out;
+  room_at(pd.stage);
   auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) return out;
   Flight& f = it->second;
@@ -487,6 +530,7 @@ HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_ten
       }
       go_back(c, f, bad_tensor);
       f.tried = {producer};
+      track(pd.key, f);
       return out;
     }
     f.suspect_tensor = bad_tensor;
@@ -502,6 +546,7 @@ HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_ten
 }
 
 HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) {
+  room_at(pd.stage);
   auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) return {};
   Flight& f = it->second;
@@ -605,8 +650,12 @@ void Flights::check(const Requests& r) const {
   for (const auto& [key, f] : flights_) {
     const bool waits = f.req_id == 0 && f.upload_req == 0;
     waiting += waits;
-    const auto w = waiting_.find(key);
-    SWARM_CHECK(waits == (w != waiting_.end()) && (!waits || w->second == &f), "microbatch " + std::to_string(key) + " is " + (waits ? "not " : "") + "queued to be sent, but " + (waits ? "waits" : "is in flight"));
+    SWARM_CHECK(f.queued_at == (waits ? f.stage : -1), "microbatch " + std::to_string(key) + " is queued to be sent at stage " + std::to_string(f.queued_at) + ", but " + (waits ? "waits at stage " + std::to_string(f.stage) : "is in flight"));
+    if (waits) {
+      const auto& q = waiting_[size_t(f.stage)].flights;
+      const auto w = q.find(key);
+      SWARM_CHECK(w != q.end() && w->second == &f, "microbatch " + std::to_string(key) + " waits but is not in its stage's queue");
+    }
     SWARM_CHECK(f.stage >= 0 && f.stage < cfg_.stages, "flight at a stage outside the job");
     SWARM_CHECK(cfg_.tokens || f.inputs[0].bytes.has_value(), "flight without its tokens");
     SWARM_CHECK(f.req_id == 0 || f.upload_req == 0, "a flight both sent and relaying a tensor");
@@ -619,7 +668,9 @@ void Flights::check(const Requests& r) const {
     SWARM_CHECK(pd != nullptr, "microbatch " + std::to_string(key) + " is marked sent but has no pending request");
     SWARM_CHECK(pd->kind == ReqKind::kHop && pd->key == key && pd->job == cfg_.job, "a flight's request is not its hop");
   }
-  SWARM_CHECK(waiting == waiting_.size(), "the queue of flights to send holds a flight that is gone");
+  size_t queued = 0;
+  for (const StageQueue& q : waiting_) queued += q.flights.size();
+  SWARM_CHECK(waiting == queued, "the queue of flights to send holds a flight that is gone");
   SWARM_CHECK(where_.size() == flights_.size(), "the index of flights by key does not hold every flight");
 }
 

@@ -16,8 +16,9 @@
 // through the router (FETCH from the router) and, once two receivers could not reach it, is
 // relayed for good: its outputs come inline.
 //
-// Routing: among the ready, unbanned peers of the stage, dispatch.h's least expected
-// completion time (or the fixed pipeline, under routing.mode "static"). Deadline:
+// Routing: among the ready, unbanned peers of the stage with room in their queue
+// (routing.max_queued_s), dispatch.h's least expected completion time (or the fixed pipeline,
+// under routing.mode "static"); with no peer's queue open, the hop waits at the router. Deadline:
 // timing::deadline_s of the peer's queue plus this hop at its measured speed, capped by the
 // job's timeouts. A failed hop is re-sent after timing::backoff_s (50 ms doubling to 2 s),
 // preferring peers that have not failed it; after timeouts.max_attempts the job fails.
@@ -73,6 +74,7 @@ struct Flight {
   // expected to take the next hop (a backward's next goes to the peer of that stage's forward).
   uint64_t ahead_key = 0;
   PeerId ahead_to;
+  int queued_at = -1;                 // the stage whose queue of flights to send holds it (Flights::track); -1: none
 };
 
 struct FlightConfig {
@@ -85,6 +87,7 @@ struct FlightConfig {
   RoutingMode mode = RoutingMode::kSwarm;
   bool echo = false;                              // transport benchmark: a FORWARD's result completes
   bool p2p = false;                               // routing.hops "p2p": peers that listen hold what they make
+  double max_queued_s = 0;                        // routing.max_queued_s: a peer's queue bound (dispatch.h); 0: none
   // async: microbatches per job step; a backward hop that is the step's last at its stage says
   // so (Hop::closes_step). 0: never.
   int closes_steps_of = 0;
@@ -118,7 +121,8 @@ struct HopFailure {
 
 class Flights {
  public:
-  explicit Flights(FlightConfig cfg) : cfg_(std::move(cfg)), backward_units_(size_t(std::max(cfg_.stages, 1)), 2.0) {}
+  explicit Flights(FlightConfig cfg)
+      : cfg_(std::move(cfg)), backward_units_(size_t(std::max(cfg_.stages, 1)), 2.0), waiting_(size_t(std::max(cfg_.stages, 1))) {}
   const FlightConfig& config() const { return cfg_; }
 
   // A microbatch enters the pipeline at stage 0 (its inputs[0] and targets filled).
@@ -130,7 +134,9 @@ class Flights {
   const std::map<uint64_t, Flight>& all() const { return flights_; }
 
   // Sends every waiting flight whose backoff is over to a peer of its stage (none: it waits).
-  // Visits only the flights waiting to be sent (waiting_), in key order, not every flight.
+  // Visits only the flights waiting to be sent, stage by stage in key order, and skips a stage
+  // whose every peer had its queue's worth (full) until one of them answers or the ready peers
+  // change.
   void dispatch(Ctx& c);
   HopOutcome on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m);
   HopFailure on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why);
@@ -175,7 +181,9 @@ class Flights {
   static constexpr size_t kSampled = 16;
 
  private:
-  void send_hop(Ctx& c, uint64_t key, Flight& f);
+  // Sends the flight's current hop; false when every peer that could take it has its queue's
+  // worth (dispatch.h's bound): the flight waits, and so does the rest of its stage.
+  bool send_hop(Ctx& c, uint64_t key, Flight& f);
   // The hop's last reference (to `s`'s holder): the holder is asked to push it to `to` now (PUSH),
   // and the reference says so; or it did already, as it made it (push ahead). Not when `to`
   // holds it, or fetched it for its own forward.
@@ -196,10 +204,18 @@ class Flights {
   // A hop that failed and goes out again: counted, and on the timeline.
   void resent_hop(Ctx& c, const Flight& f, const Pending& pd, bool error, const std::string& why);
   // A flight waits to be sent when it has no request in flight (req_id 0) and relays nothing
-  // (upload_req 0): waiting_ holds exactly those, by key, so dispatch visits only them.
+  // (upload_req 0): waiting_[its stage] holds exactly those, by key, so dispatch visits only
+  // them. Called after any change to a flight's request or stage.
   void track(uint64_t key, Flight& f) {
-    if (f.req_id == 0 && f.upload_req == 0) waiting_.emplace(key, &f);
-    else waiting_.erase(key);
+    const int at = f.req_id == 0 && f.upload_req == 0 ? f.stage : -1;
+    if (at == f.queued_at) return;
+    if (f.queued_at >= 0) waiting_[size_t(f.queued_at)].flights.erase(key);
+    if (at >= 0) waiting_[size_t(at)].flights.emplace(key, &f);
+    f.queued_at = at;
+  }
+  // A hop at `stage` ended (answered, failed, timed out): its peer has room again.
+  void room_at(int stage) {
+    if (stage >= 0 && stage < cfg_.stages) waiting_[size_t(stage)].full = false;
   }
   using FlightMap = std::map<uint64_t, Flight>;
   // A flight by key without walking flights_ (kept in add, clear and on completion).
@@ -211,7 +227,12 @@ class Flights {
   std::vector<double> backward_units_;   // [stages] see work_factor
   FlightMap flights_;
   std::unordered_map<uint64_t, FlightMap::iterator> where_;
-  std::map<uint64_t, Flight*> waiting_;   // map nodes do not move: the pointers stay valid
+  struct StageQueue {
+    std::map<uint64_t, Flight*> flights;   // map nodes do not move: the pointers stay valid
+    bool full = false;                     // every peer of the stage had its queue's worth...
+    uint64_t full_since = 0;               // ...when the registry's ready_changes() was this
+  };
+  std::vector<StageQueue> waiting_;        // [stages]
   // async (closes_steps_of > 0): per job step, the backwards sent to each stage.
   std::map<uint64_t, std::vector<int>> backwards_sent_;
   // Counts a training backward sent (first attempts only); true when it is its step's last at its stage.

@@ -56,6 +56,7 @@ void Registry::remove(const PeerId& id) {
 }
 
 void Registry::ready_changed(const std::pair<uint64_t, int>& key, size_t before, size_t after) {
+  ready_changes_++;
   if (key.second < 0 || (before > 0) == (after > 0)) return;
   if (after > 0) {
     ready_stages_[key.first]++;

@@ -165,6 +165,8 @@ class Registry {
   }
   // How many stages (>= 0) of `job` have a ready peer: one hash lookup (every event asks whether
   // a stage is empty).
+  // Counts every peer that became ready or stopped being ready, in any stage: a waiter compares it.
+  uint64_t ready_changes() const { return ready_changes_; }
   size_t ready_stages(uint64_t job) const {
     auto it = ready_stages_.find(job);
     return it == ready_stages_.end() ? 0 : it->second;
@@ -184,6 +186,7 @@ class Registry {
   double window_s_;
   uint64_t next_seq_ = 1;
   uint64_t bans_total_ = 0;
+  uint64_t ready_changes_ = 0;
   std::map<PeerId, Peer> peers_;
   PeerIndex by_id_;   // find() without walking peers_ (kept in add and remove)
   // (expiry time as filed, peer) of every peer, ordered by time then id (pointers into peers_,

@@ -486,6 +486,8 @@ void fill_and_validate(JobSpec& s, bool check_files) {
   if (!(s.routing.cooldown_s >= 0)) fail("routing.cooldown_s", "must be >= 0 seconds");
   if (s.routing.start_peers < 1 || s.routing.start_peers > 4096) fail("routing.start_peers", "must be 1 to 4096 ready peers per stage");
   if (!(s.routing.start_wait_s >= 0 && s.routing.start_wait_s <= 86400)) fail("routing.start_wait_s", "must be 0 to 86400 seconds");
+  if (!(s.routing.max_queued_s >= 0 && s.routing.max_queued_s <= 3600))
+    fail("routing.max_queued_s", "must be 0 to 3600 seconds of a peer's work (0: no bound)");
 
   // compression: the codec grammar (runtime/codec_spec.h) names what is wrong and what is accepted.
   for (const auto& [field, text] : {std::make_pair("compression.activations", &s.compression.activations),
@@ -668,7 +670,7 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
     o.get("snapshot_every_steps", s.checkpoint.snapshot_every_steps);
   }
   if (const json* v = top.sub("routing")) {
-    Obj o(*v, "routing", {"mode", "hops", "rebalance", "rebalance_period_s", "min_gain", "cooldown_s", "start_peers", "start_wait_s"});
+    Obj o(*v, "routing", {"mode", "hops", "rebalance", "rebalance_period_s", "min_gain", "cooldown_s", "start_peers", "start_wait_s", "max_queued_s"});
     std::string mode = routing_mode_name(s.routing.mode);
     o.get("mode", mode);
     s.routing.mode = choose<RoutingMode>("routing.mode", mode, {{"swarm", RoutingMode::kSwarm}, {"static", RoutingMode::kStatic}},
@@ -685,6 +687,7 @@ JobSpec parse_job_spec(const json& j, bool check_files) {
     o.get("cooldown_s", s.routing.cooldown_s);
     o.get("start_peers", s.routing.start_peers);
     o.get("start_wait_s", s.routing.start_wait_s);
+    o.get("max_queued_s", s.routing.max_queued_s);
   }
   if (const json* v = top.sub("compression")) {
     Obj o(*v, "compression", {"activations", "gradients", "outer"});
@@ -785,7 +788,8 @@ json to_json(const JobSpec& s) {
                   {"min_gain", s.routing.min_gain},
                   {"cooldown_s", s.routing.cooldown_s},
                   {"start_peers", s.routing.start_peers},
-                  {"start_wait_s", s.routing.start_wait_s}};
+                  {"start_wait_s", s.routing.start_wait_s},
+                  {"max_queued_s", s.routing.max_queued_s}};
   return j;
 }
 

@@ -148,6 +148,9 @@ struct RoutingSpec {
   double cooldown_s = 300;     // no move of the same peer, and no move at all, within this
   int start_peers = 1;         // ready peers per stage the first step waits for ...
   double start_wait_s = 60;    // ... at most this long after the job could have started
+  // The most work the dispatcher queues at one peer: this many seconds at its measured speed,
+  // at least 4 units (router/dispatch.h); the rest waits at the router for a peer with room. 0: no bound.
+  double max_queued_s = 1.0;
 };
 
 struct JobSpec {

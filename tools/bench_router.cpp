@@ -284,6 +284,10 @@ json run_size(int n, double ms_per_unit, double window_s, bool as_json) {
   // work at 50 ms a unit, in a run without it) and the window measures that queue draining.
   spec["routing"]["start_peers"] = n / 4;
   spec["routing"]["start_wait_s"] = 60;
+  // For the record of what a job that does not wait gets (docs/scale.md): the first step's
+  // ready peers and the dispatcher's queue bound, from the environment.
+  if (const char* v = std::getenv("SWARM_ROUTER_BENCH_START_PEERS")) spec["routing"]["start_peers"] = std::atoi(v);
+  if (const char* v = std::getenv("SWARM_ROUTER_BENCH_MAX_QUEUED_S")) spec["routing"]["max_queued_s"] = std::atof(v);
   spec["diloco"] = {{"inner_steps", 1000000}, {"warm_start_steps", 0}};
   spec["eval"] = {{"every_steps", 0}};
   spec["checkpoint"] = {{"snapshot_every_steps", 1000000}};

@@ -281,6 +281,33 @@ TEST(Core, APeerThatClaimsToBeSlowIsTriedAndMeasuredAnyway) {
     }
 }
 
+// The dispatcher queues at most routing.max_queued_s of a peer's work at it (at least 4 units
+// before it is measured): a peer that takes forwards and answers none holds 4 of the 16
+// microbatches in flight, and its stage mate takes the rest as it makes room. Without the
+// bound the silent peer, counted at its mate's speed, takes one in every few until deadlines.
+TEST(Core, APeerHoldsAtMostItsQueuesWorthAndTheRestWaitForRoom) {
+  for (const double max_queued_s : {1.0, 0.0}) {
+    FakeSwarm f;
+    const std::vector<PeerId> ids = two_by_two(f);
+    json spec = FakeSwarm::tiny_spec(2, 4);
+    spec["batch"]["batch_size"] = 32;   // 16 microbatches in flight
+    spec["routing"]["max_queued_s"] = max_queued_s;
+    const uint64_t job = f.submit(f.client(), spec);
+    f.peers.at(ids[0]).silent_from = MsgType::kForward;
+    f.run(1);   // less than a hop's deadline
+    const size_t held = received(f, ids[0], MsgType::kForward);
+    if (max_queued_s > 0) {
+      EXPECT_EQ(held, 4u) << "a0 was sent " << held << " forwards it never answered";
+      EXPECT_EQ(f.status(job)["microbatches"]["completed"], 12);   // all but a0's
+    } else {
+      EXPECT_GT(held, 4u);
+    }
+    f.kill(ids[0]);
+    ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+    EXPECT_EQ(f.status(job)["microbatches"]["lost"], 0);
+  }
+}
+
 TEST(Core, APeerDyingMidForwardHasItsHopResentElsewhere) {
   FakeSwarm f;
   two_by_two(f);

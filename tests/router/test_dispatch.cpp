@@ -1,6 +1,8 @@
 // test_dispatch.cpp: the dispatcher's choice (router/dispatch.h) on constructed candidates.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "router/dispatch.h"
 
 using namespace swarm;
@@ -42,4 +44,21 @@ TEST(Dispatch, BackwardStaysWithTheGraphUnlessAnotherPeerIsClearlyQuicker) {
 TEST(Dispatch, NoEligiblePeer) {
   EXPECT_EQ(choose_peer({peer("a", 0, 10, false, true)}, kForwardUnits, kBackwardCachedUnits), -1);
   EXPECT_EQ(choose_peer({}, kForwardUnits, kBackwardCachedUnits), -1);
+}
+
+TEST(Dispatch, AFullPeerIsPassedOverAndNoneOpenMeansTheHopWaits) {
+  // The fast peer would win, but its queue is at its bound: the slow one takes the hop.
+  Candidate fast = peer("fast", 10, 10);
+  fast.full = true;
+  EXPECT_EQ(choose_peer({peer("slow", 0, 40), fast}, kForwardUnits, kBackwardCachedUnits), 0);
+  Candidate slow = peer("slow", 25, 40);
+  slow.full = true;
+  EXPECT_EQ(choose_peer({slow, fast}, kForwardUnits, kBackwardCachedUnits), -1);
+}
+
+TEST(Dispatch, APeersQueueHoldsMaxQueuedSecondsOfItsWorkAndAtLeastFourUnits) {
+  EXPECT_DOUBLE_EQ(queue_bound_units(10, 1.0), 100);             // 1 s at 10 ms per unit
+  EXPECT_DOUBLE_EQ(queue_bound_units(500, 1.0), kMinQueuedUnits); // a slow peer still gets a few
+  EXPECT_DOUBLE_EQ(queue_bound_units(0, 1.0), kMinQueuedUnits);   // not measured yet
+  EXPECT_TRUE(std::isinf(queue_bound_units(10, 0)));             // 0: no bound
 }
