@@ -668,9 +668,7 @@ void Flights::check(const Requests& r) const {
     SWARM_CHECK(pd != nullptr, "microbatch " + std::to_string(key) + " is marked sent but has no pending request");
     SWARM_CHECK(pd->kind == ReqKind::kHop && pd->key == key && pd->job == cfg_.job, "a flight's request is not its hop");
   }
-  size_t queued = 0;
-  for (const StageQueue& q : waiting_) queued += q.flights.size();
-  SWARM_CHECK(waiting == queued, "the queue of flights to send holds a flight that is gone");
+  SWARM_CHECK(waiting == this->waiting(), "the queue of flights to send holds a flight that is gone");
   SWARM_CHECK(where_.size() == flights_.size(), "the index of flights by key does not hold every flight");
 }
 

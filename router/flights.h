@@ -128,6 +128,12 @@ class Flights {
   // A microbatch enters the pipeline at stage 0 (its inputs[0] and targets filled).
   Flight& add(uint64_t key, Flight f);
   size_t size() const { return flights_.size(); }
+  // Of size(), the flights whose hop waits at the router (for a peer with room, a ready peer, a backoff).
+  size_t waiting() const {
+    size_t n = 0;
+    for (const StageQueue& q : waiting_) n += q.flights.size();
+    return n;
+  }
   bool empty() const { return flights_.empty(); }
   // Drops every flight; what peers hold for them is released.
   void clear(Ctx& c);

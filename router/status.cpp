@@ -79,7 +79,7 @@ nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
                    {"outliers", rounds["outliers"]},
                    {"routing", routing},
                    {"sync_bytes_per_sample", per_sample(rounds_.bytes_outer)},
-                   {"microbatches", {{"taken", taken_}, {"completed", completed_}, {"in_flight", in_flight}, {"resent", resent()},
+                   {"microbatches", {{"taken", taken_}, {"completed", completed_}, {"in_flight", in_flight}, {"waiting", flights_.waiting()}, {"resent", resent()},
                                      {"duplicates", duplicates()}, {"rejected", rejected()}, {"lost", lost()}}},
                    {"backward", {{"cached", flights_.cached}, {"recomputed", flights_.recomputed}}},
                    {"wire_bytes", {{"activations", flights_.bytes_act}, {"gradients", flights_.bytes_grad}, {"outer", rounds_.bytes_outer}}},

@@ -308,6 +308,30 @@ TEST(Core, APeerHoldsAtMostItsQueuesWorthAndTheRestWaitForRoom) {
   }
 }
 
+// With every peer of stage 0 at its bound the other microbatches wait at the router, the status
+// says how many, and they go out once the peers answer again.
+TEST(Core, WithEveryPeerFullTheRestWaitAtTheRouterUntilOneHasRoom) {
+  FakeSwarm f;
+  const std::vector<PeerId> ids = two_by_two(f);
+  json spec = FakeSwarm::tiny_spec(2, 4);
+  spec["batch"]["batch_size"] = 32;   // 16 microbatches in flight
+  const uint64_t job = f.submit(f.client(), spec);
+  f.peers.at(ids[0]).silent_from = MsgType::kForward;
+  f.peers.at(ids[1]).silent_from = MsgType::kForward;
+  f.run(1);
+  EXPECT_EQ(received(f, ids[0], MsgType::kForward), 4u);
+  EXPECT_EQ(received(f, ids[1], MsgType::kForward), 4u);
+  EXPECT_EQ(f.status(job)["microbatches"]["in_flight"], 16);
+  EXPECT_EQ(f.status(job)["microbatches"]["waiting"], 8);
+  for (const PeerId& id : {ids[0], ids[1]}) {
+    f.peers.at(id).silent_from.reset();
+    f.peers.at(id).silent = false;   // what they were sent is lost: those hops pass their deadlines
+  }
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  EXPECT_EQ(f.status(job)["microbatches"]["lost"], 0);
+  EXPECT_EQ(f.status(job)["microbatches"]["waiting"], 0);
+}
+
 TEST(Core, APeerDyingMidForwardHasItsHopResentElsewhere) {
   FakeSwarm f;
   two_by_two(f);
