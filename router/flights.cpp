@@ -208,12 +208,14 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   if (peers.empty()) return true;  // paused until a peer of the stage is ready
   std::vector<Candidate> cands;
   bool open = false;   // an eligible peer with room in its queue
+  bool room = false;   // a peer with room, eligible or not (it may have failed this hop)
   auto describe = [&] {
     size_t tried_live = 0;
     for (const Peer* p : peers) tried_live += f.tried.count(p->id);
     cands.clear();
     cands.reserve(peers.size());
     open = false;
+    room = false;
     bool eligible = false;
     for (const Peer* p : peers) {
       Candidate cd;
@@ -225,10 +227,12 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
       cd.ms_per_unit = p->ms_per_unit;
       cd.affinity = f.kind == HopKind::kBackward && f.fwd_peer[size_t(f.stage)] == p->id;
       // A peer that failed this hop is tried again only once every live peer has failed it.
-      cd.excluded = c.peers.banned(*p, c.now) || (f.tried.count(p->id) && tried_live < peers.size());
+      const bool banned = c.peers.banned(*p, c.now);
+      cd.excluded = banned || (f.tried.count(p->id) && tried_live < peers.size());
       cd.full = p->queued_units >= queue_bound_units(p->ms_per_unit > 0 ? p->deadline_ms_per_unit() : 0, cfg_.max_queued_s);
       eligible |= !cd.excluded;
       open |= !cd.excluded && !cd.full;
+      room |= !banned && !cd.full;
       cands.push_back(cd);
     }
     return eligible;
@@ -239,7 +243,9 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
     peers = c.peers.stage_peers(cfg_.job, f.stage, c.now);
     eligible = describe();
   }
-  if (eligible && !open) return false;   // waits at the router for a peer with room
+  // It waits at the router for a peer with room; the rest of its stage too, unless the peer with
+  // room is one only this flight may not use (it failed this hop there).
+  if (eligible && !open) return room;
   const double units = cfg_.echo ? kForwardUnits : hop_units(f.kind);
   int pick = choose_peer(cands, units, kBackwardCachedUnits);
   if (pick < 0) {

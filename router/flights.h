@@ -187,8 +187,9 @@ class Flights {
   static constexpr size_t kSampled = 16;
 
  private:
-  // Sends the flight's current hop; false when every peer that could take it has its queue's
-  // worth (dispatch.h's bound): the flight waits, and so does the rest of its stage.
+  // Sends the flight's current hop, unless every peer that could take it has its queue's worth
+  // (dispatch.h's bound): then it waits, and the result is false when no peer of the stage has room
+  // (the rest of its stage waits too).
   bool send_hop(Ctx& c, uint64_t key, Flight& f);
   // The hop's last reference (to `s`'s holder): the holder is asked to push it to `to` now (PUSH),
   // and the reference says so; or it did already, as it made it (push ahead). Not when `to`

@@ -332,6 +332,25 @@ TEST(Core, WithEveryPeerFullTheRestWaitAtTheRouterUntilOneHasRoom) {
   EXPECT_EQ(f.status(job)["microbatches"]["waiting"], 0);
 }
 
+// A hop that one peer rejected waits for its stage mate's second opinion while the mate is full,
+// and the peer that rejected it goes on taking the stage's other hops meanwhile.
+TEST(Core, AHopWaitingForAFullPeerDoesNotHoldUpItsStage) {
+  FakeSwarm f;
+  f.join("a0", 0);
+  const PeerId b0 = f.join("b0", 1), b1 = f.join("b1", 1);
+  json spec = FakeSwarm::tiny_spec(2, 4);
+  spec["batch"]["batch_size"] = 32;   // 16 microbatches a step...
+  spec["max_inflight"] = 4;           // ...4 in flight: the rest reach stage 1 after the rejection
+  const uint64_t job = f.submit(f.client(), spec);
+  f.peers.at(b1).silent_from = MsgType::kForwardLoss;   // fills its queue (3 units a hop) and answers none
+  f.peers.at(b0).quirks.bad_input_reports = 1;          // calls its first input bad: a second opinion is due
+  f.run(1);   // less than a hop's deadline
+  EXPECT_EQ(received(f, b1, MsgType::kForwardLoss), 2u);
+  // All but b1's two and the one waiting for b1's opinion.
+  EXPECT_EQ(f.status(job)["microbatches"]["completed"], 13) << f.status(job)["microbatches"].dump();
+  EXPECT_EQ(f.status(job)["microbatches"]["waiting"], 1);
+}
+
 TEST(Core, APeerDyingMidForwardHasItsHopResentElsewhere) {
   FakeSwarm f;
   two_by_two(f);
