@@ -87,7 +87,7 @@ struct FlightConfig {
   RoutingMode mode = RoutingMode::kSwarm;
   bool echo = false;                              // transport benchmark: a FORWARD's result completes
   bool p2p = false;                               // routing.hops "p2p": peers that listen hold what they make
-  double max_queued_s = 0;                        // routing.max_queued_s: a peer's queue bound (dispatch.h); 0: none
+  double max_queued_s = 0;                        // routing.max_queued_s: a peer's queue bound (dispatch.h); 0: none (static routing)
   // async: microbatches per job step; a backward hop that is the step's last at its stage says
   // so (Hop::closes_step). 0: never.
   int closes_steps_of = 0;

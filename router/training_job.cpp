@@ -34,7 +34,8 @@ FlightConfig flight_config(uint64_t id, const JobSpec& s, std::function<wire::Te
   f.max_attempts = s.timeouts.max_attempts;
   f.mode = s.routing.mode;
   f.p2p = s.routing.hops == Hops::kP2p;
-  f.max_queued_s = s.routing.max_queued_s;
+  // A fixed pipeline has no other peer to send a hop to: the bound would only delay it.
+  f.max_queued_s = s.routing.mode == RoutingMode::kStatic ? 0 : s.routing.max_queued_s;
   if (s.schedule == Schedule::kAsync) f.closes_steps_of = s.microbatches_per_step();
   return f;
 }

@@ -351,6 +351,24 @@ TEST(Core, AHopWaitingForAFullPeerDoesNotHoldUpItsStage) {
   EXPECT_EQ(f.status(job)["microbatches"]["waiting"], 1);
 }
 
+// Static routing keeps every microbatch on its pipeline whatever the queues: the queue bound,
+// which only moves work between peers of a stage, does not apply there.
+TEST(Core, StaticRoutingKeepsEachMicrobatchOnItsPipelineThoughItsPeerIsBusy) {
+  FakeSwarm f;
+  const std::vector<PeerId> ids = two_by_two(f);   // pipeline 0: a0, b0; pipeline 1: a1, b1
+  json spec = FakeSwarm::tiny_spec(2, 4);
+  spec["batch"]["batch_size"] = 32;   // 16 microbatches in flight
+  spec["routing"]["mode"] = "static";
+  spec["routing"]["start_peers"] = 2;   // both pipelines from the first hop
+  const uint64_t job = f.submit(f.client(), spec);
+  f.peers.at(ids[0]).silent_from = MsgType::kForward;
+  f.run(1);
+  EXPECT_EQ(received(f, ids[0], MsgType::kForward), 8u);   // every even microbatch, unanswered
+  for (const wire::Message& m : f.peers.at(ids[1]).received)
+    if (m.type == MsgType::kForward) EXPECT_EQ(msg::read<msg::Hop>(m).mb % 2, 1u);
+  EXPECT_EQ(f.status(job)["microbatches"]["completed"], 8);
+}
+
 TEST(Core, APeerDyingMidForwardHasItsHopResentElsewhere) {
   FakeSwarm f;
   two_by_two(f);
