@@ -59,7 +59,7 @@ void RouterCore::Impl::queue_load(Ctx& c, uint64_t id, JobSpec spec, Submitter w
     if (d.checkpoint_dir.empty()) d.checkpoint_dir = d.job_dir + "/checkpoints";
   }
   if (!checkpoint_dir.empty()) d.checkpoint_dir = checkpoint_dir;
-  LoadJob load{id, std::move(spec), who.resume, who.resume.empty() && who.client.empty() ? d.checkpoint_dir : "", who.remote};
+  LoadJob load{id, std::make_shared<JobSpec>(std::move(spec)), who.resume, who.resume.empty() && who.client.empty() ? d.checkpoint_dir : "", who.remote};
   loading[id] = std::move(who);
   jobs.push_back(std::move(job));
   c.out.push_back(std::move(load));

@@ -561,13 +561,13 @@ void RouterCore::check_invariants() const {
   }
   SWARM_CHECK(active <= 1, "more than one job runs");
   I.peers.check_index();
-  for (const auto& [id, pd] : I.requests.all()) {
+  I.requests.for_each([&](uint64_t id, const Pending& pd) {
     SWARM_CHECK(I.peers.find(pd.peer) != nullptr, "request " + std::to_string(id) + " is held by a peer that is gone");
     const Job* owner = nullptr;
     for (const auto& j : I.jobs)
       if (j->id() == pd.job) owner = j.get();
     SWARM_CHECK(owner && owner->active(), "request " + std::to_string(id) + " belongs to no running job");
-  }
+  });
 }
 
 }  // namespace swarm::router

@@ -69,7 +69,7 @@ struct WriteFile {
 // `checkpoint_dir`: the job's own dir, whose newest valid checkpoint, if any, is taken.
 struct LoadJob {
   uint64_t job = 0;
-  JobSpec spec;
+  std::shared_ptr<JobSpec> spec;   // on the heap: Action stays small (it is moved on every event)
   std::string resume, checkpoint_dir;
   bool remote = false;   // submitted from another host: its files are confined to the router's roots
 };

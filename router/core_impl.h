@@ -46,7 +46,10 @@ struct RouterCore::Impl {
   Events events;                           // the timeline: the status's `events`, /api/events
 
   explicit Impl(CoreOptions o) : opt(std::move(o)), peers(opt.heartbeat_ms, opt.liveness) {}
-  Ctx ctx(double now, Actions& out) { return Ctx{now, opt, peers, requests, out, released, events}; }
+  Ctx ctx(double now, Actions& out) {
+    out.reserve(4);   // most events send a request or two: one allocation, no moves
+    return Ctx{now, opt, peers, requests, out, released, events};
+  }
 
   Job* find_job(uint64_t id) {
     for (auto& j : jobs)

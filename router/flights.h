@@ -36,11 +36,11 @@
 #include <optional>
 #include <set>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "router/dispatch.h"
 #include "router/job.h"
+#include "runtime/flat_map.h"
 #include "runtime/job_spec.h"
 
 namespace swarm::router {
@@ -227,13 +227,13 @@ class Flights {
   using FlightMap = std::map<uint64_t, Flight>;
   // A flight by key without walking flights_ (kept in add, clear and on completion).
   FlightMap::iterator locate(uint64_t key) {
-    const auto w = where_.find(key);
-    return w == where_.end() ? flights_.end() : w->second;
+    const FlightMap::iterator* w = where_.find(key);
+    return w ? *w : flights_.end();
   }
   FlightConfig cfg_;
   std::vector<double> backward_units_;   // [stages] see work_factor
   FlightMap flights_;
-  std::unordered_map<uint64_t, FlightMap::iterator> where_;
+  FlatMap<FlightMap::iterator> where_;
   struct StageQueue {
     std::map<uint64_t, Flight*> flights;   // map nodes do not move: the pointers stay valid
     bool full = false;                     // every peer of the stage had its queue's worth...

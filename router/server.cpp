@@ -235,8 +235,8 @@ struct Server::Impl {
   // checkpoints only under the data roots, and writes checkpoints only under the state dir.
   std::string confined(LoadJob& l) const {
     if (!l.remote && opt.data_roots.empty()) return "";
-    for (size_t i = 0; i < l.spec.data.paths.size(); ++i) {
-      std::string& p = l.spec.data.paths[i];
+    for (size_t i = 0; i < l.spec->data.paths.size(); ++i) {
+      std::string& p = l.spec->data.paths[i];
       if (std::string e = outside_roots(p, opt.data_roots, "data.path"); !e.empty()) return e;
       p = canonical(p);   // read what was checked, not what a symlink points to later
     }
@@ -244,11 +244,11 @@ struct Server::Impl {
     if (!opt.core.state_dir.empty()) readable.push_back(opt.core.state_dir);
     if (!l.resume.empty())
       if (std::string e = outside_roots(l.resume, readable, "--resume"); !e.empty()) return e;
-    if (!l.spec.checkpoint.dir.empty()) {
+    if (!l.spec->checkpoint.dir.empty()) {
       if (opt.core.state_dir.empty())
-        return "checkpoint.dir \"" + l.spec.checkpoint.dir + "\": this router writes no checkpoints where a job asks; leave checkpoint.dir out "
+        return "checkpoint.dir \"" + l.spec->checkpoint.dir + "\": this router writes no checkpoints where a job asks; leave checkpoint.dir out "
                "(the router keeps checkpoints in its --state-dir)";
-      if (std::string e = outside_roots(l.spec.checkpoint.dir, {opt.core.state_dir}, "checkpoint.dir"); !e.empty()) return e;
+      if (std::string e = outside_roots(l.spec->checkpoint.dir, {opt.core.state_dir}, "checkpoint.dir"); !e.empty()) return e;
     }
     return "";
   }
@@ -258,8 +258,8 @@ struct Server::Impl {
     r.job = l.job;
     try {
       if (std::string e = confined(l); !e.empty()) throw InputError(e);
-      parse_job_spec(to_json(l.spec), /*check_files=*/true);  // what is wrong with the files, said for a person
-      r.data = std::make_shared<TokenData>(TokenData::load(l.spec.data, l.spec.model.seq_len, l.spec.model.vocab_size, opt.max_data_bytes));
+      parse_job_spec(to_json(*l.spec), /*check_files=*/true);  // what is wrong with the files, said for a person
+      r.data = std::make_shared<TokenData>(TokenData::load(l.spec->data, l.spec->model.seq_len, l.spec->model.vocab_size, opt.max_data_bytes));
       if (!l.resume.empty()) r.checkpoint = resolve_checkpoint(l.resume);
       else if (!l.checkpoint_dir.empty()) r.checkpoint = load_latest_checkpoint(l.checkpoint_dir, &r.skipped);
       if (r.checkpoint) {

@@ -169,13 +169,13 @@ void World::peer_receives(int i, wire::Message m) {
     SimPeer* h = it == by_listen.end() ? nullptr : &peers[size_t(it->second)];
     double done = 0;
     std::optional<FetchFailure> why;
-    if (auto in = p.book.incoming.find(ref->key); in != p.book.incoming.end()) {
+    if (const double* in = p.book.incoming.find(ref->key)) {
       // Pushed here: it arrives (or has) without being asked for.
       pushes_used++;
       s.fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
       keep_copy(p.book, ref->key, ref->desc.nbytes);
-      whole = std::max(whole, in->second);
-      p.book.incoming.erase(in);
+      whole = std::max(whole, *in);
+      p.book.incoming.erase(ref->key);
       continue;
     }
     // A push that is not coming is waited for a while (PeerLink's push_wait_s), then fetched.
@@ -220,14 +220,14 @@ void World::push(int i, const wire::Message& m) {
 }
 
 void World::push_from(SimPeer& h, uint64_t key, size_t part, const std::string& to_addr, double at) {
-  auto held = h.book.held.find(key);
+  const std::vector<wire::Tensor>* held = h.book.held.find(key);
   auto to = by_listen.find(to_addr);
-  if (held == h.book.held.end() || part >= held->second.size() || to == by_listen.end()) return;   // the receiver fetches, and hears not_held
+  if (!held || part >= held->size() || to == by_listen.end()) return;   // the receiver fetches, and hears not_held
   SimPeer& r = peers[size_t(to->second)];
   if (!r.alive) return;
   pushes++;
   StageBook& b = r.book;
-  if (b.incoming.emplace(key, transfer(h.host, r.host, held->second[part].desc.nbytes, at)).second) {
+  if (b.incoming.emplace(key, transfer(h.host, r.host, (*held)[part].desc.nbytes, at)).second) {
     b.incoming_order.push_back(key);
     if (b.incoming_order.size() > 4 * b.cache_entries) {
       b.incoming.erase(b.incoming_order.front());

@@ -62,10 +62,10 @@ void keep_copy(StageBook& b, uint64_t key, uint64_t bytes) {
 }
 
 void drop_copy(StageBook& b, uint64_t key) {
-  auto it = b.copies.find(key);
-  if (it == b.copies.end()) return;
-  b.copy_bytes -= it->second;
-  b.copies.erase(it);
+  const uint64_t* bytes = b.copies.find(key);
+  if (!bytes) return;
+  b.copy_bytes -= *bytes;
+  b.copies.erase(key);
 }
 
 wire::Message fetch_error(const wire::Message& req, uint32_t slot, FetchFailure why, const std::string& from) {
@@ -97,7 +97,7 @@ void keep_graph(StageBook& b, uint64_t mb, double now) {
     case GraphCacheRule::Admit::kEvictOldest: drop_oldest_graph(b); break;
     case GraphCacheRule::Admit::kKeep: break;
   }
-  b.graphs.insert(mb);
+  b.graphs.emplace(mb, true);
   b.graph_order.emplace_back(mb, now);
 }
 
@@ -260,10 +260,10 @@ std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const s
     case MsgType::kRelease:
       for (int64_t key : msg::read<msg::Release>(m).keys) {
         drop_copy(b, uint64_t(key));   // its copy_order entry goes when it comes up
-        auto it = b.held.find(uint64_t(key));
-        if (it == b.held.end()) continue;
-        for (const wire::Tensor& t : it->second) b.held_bytes -= std::min<uint64_t>(b.held_bytes, t.desc.nbytes);
-        b.held.erase(it);
+        const std::vector<wire::Tensor>* held = b.held.find(uint64_t(key));
+        if (!held) continue;
+        for (const wire::Tensor& t : *held) b.held_bytes -= std::min<uint64_t>(b.held_bytes, t.desc.nbytes);
+        b.held.erase(uint64_t(key));
         b.released++;
       }
       return std::nullopt;
@@ -288,10 +288,10 @@ std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const s
 
 wire::Message answer_fetch(StageBook& b, const wire::Message& m) {
   const msg::Fetch f = msg::read<msg::Fetch>(m);
-  auto it = b.held.find(f.key);
-  if (it == b.held.end() || size_t(f.part) >= it->second.size()) return msg::error_reply(&m, WireErrc::kNotHeld, "not held");
+  std::vector<wire::Tensor>* held = b.held.find(f.key);
+  if (!held || size_t(f.part) >= held->size()) return msg::error_reply(&m, WireErrc::kNotHeld, "not held");
   wire::Message r = msg::make(MsgType::kFetched, f, m.id, m.attempt);
-  r.tensors.push_back(wire::share(it->second[size_t(f.part)]));
+  r.tensors.push_back(wire::share((*held)[size_t(f.part)]));
   return r;
 }
 

@@ -15,10 +15,9 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
+#include "runtime/flat_map.h"
 #include "runtime/graph_cache.h"
 #include "runtime/job_spec.h"
 #include "runtime/messages.h"
@@ -47,25 +46,25 @@ struct StageBook {
   int stage = -1;
   compression::CodecSpec act_codec, grad_codec;   // what its hops answer in (bound to the model for subspace)
   // Peer to peer: the tensors of the replies it was asked to hold, by request id.
-  std::unordered_map<uint64_t, std::vector<wire::Tensor>> held;
+  FlatMap<std::vector<wire::Tensor>> held;
   uint64_t held_bytes = 0;       // what `held` keeps [bytes]
   uint64_t released = 0;         // holdings dropped on RELEASE
   // Copies of what it fetched or was pushed (their bytes, by key), so a BACKWARD that comes back
   // to the peer of the forward fetches nothing. Bounded as stages/holdings.h bounds them: the
   // oldest go once what it holds and its copies pass hold_bytes (swarm-stage --hold-mb's
   // default); their time to live (--cache-ttl-s) is not modelled.
-  std::unordered_map<uint64_t, uint64_t> copies;
+  FlatMap<uint64_t> copies;
   std::vector<uint64_t> copy_order;   // oldest first from copy_head; keys released since stay until they come up
   size_t copy_head = 0;
   uint64_t copy_bytes = 0;
   uint64_t hold_bytes = uint64_t(4096) << 20;
   // Tensors pushed here (PUSH to their holder): when each arrives, by key (the newest
   // 4 x cache_entries; one whose request went elsewhere is never used).
-  std::unordered_map<uint64_t, double> incoming;
+  FlatMap<double> incoming;
   std::vector<uint64_t> incoming_order;
   // The affinity cache: microbatches whose forward graph it keeps, and when each forward ran
   // (oldest first), under a stage server's rule (runtime/graph_cache.h) and size.
-  std::unordered_set<uint64_t> graphs;
+  FlatMap<bool> graphs;
   std::vector<std::pair<uint64_t, double>> graph_order;   // at most cache_entries
   size_t cache_entries = kGraphCacheEntries;   // sized at each LOAD_STAGE to what fits in `memory_bytes`
   GraphCacheRule graph_rule{cache_entries, kGraphCacheTtlS};

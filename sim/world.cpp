@@ -168,7 +168,7 @@ void World::take(router::Actions actions) {
       r.job = lj->job;
       try {
         if (!data) {
-          const JobSpec& js = lj->spec;
+          const JobSpec& js = *lj->spec;
           data = std::make_shared<TokenData>(sc.synthetic_data ? TokenData::synthetic(js.data, js.model.seq_len, js.model.vocab_size, 1 << 20, js.seed)
                                                                : TokenData::load(js.data, js.model.seq_len, js.model.vocab_size));
         }

@@ -597,7 +597,7 @@ TEST(Core, ARestartedRouterResumesItsJobsFromTheStateDir) {
   EXPECT_EQ(l.checkpoint_dir, sj.checkpoint_dir);
   JobLoaded r;
   r.job = l.job;
-  r.data = std::make_shared<TokenData>(TokenData::load(l.spec.data, l.spec.model.seq_len, l.spec.model.vocab_size));
+  r.data = std::make_shared<TokenData>(TokenData::load(l.spec->data, l.spec->model.seq_len, l.spec->model.vocab_size));
   LoadedCheckpoint lc;
   lc.ckpt = f.checkpoints.at(sj.checkpoint_dir).back();
   lc.path = sj.checkpoint_dir + "/step-2";

@@ -99,7 +99,7 @@ uint64_t FakeSwarm::submit(const PeerId& client, const nlohmann::json& spec_in) 
     JobLoaded r;
     r.job = l.job;
     try {
-      r.data = std::make_shared<TokenData>(TokenData::load(l.spec.data, l.spec.model.seq_len, l.spec.model.vocab_size));
+      r.data = std::make_shared<TokenData>(TokenData::load(l.spec->data, l.spec->model.seq_len, l.spec->model.vocab_size));
     } catch (const std::exception& e) {
       r.error = e.what();
     }
