@@ -69,6 +69,7 @@ void Ctx::drop(Slot& s) {
   if (s.held && peers.find(s.held->holder)) release(s.held->holder, s.held->key);
   s.bytes.reset();
   s.held.reset();
+  s.wire_bytes = 0;
 }
 
 Slot Ctx::take_reply_tensor(const PeerId& from, uint64_t pd_id, wire::Message& m, size_t index) {
@@ -77,7 +78,7 @@ Slot Ctx::take_reply_tensor(const PeerId& from, uint64_t pd_id, wire::Message& m
     SWARM_CHECK(index < m.tensors.size(), "reply tensor out of range");
     wire::Tensor t = std::move(m.tensors[index]);
     wire::compress(t);  // once, before it is shared with every send (entropy=zstd)
-    out.bytes = std::move(t);
+    out.set(std::move(t));
     return out;
   }
   for (const wire::TensorRef& r : m.refs) {
@@ -85,7 +86,7 @@ Slot Ctx::take_reply_tensor(const PeerId& from, uint64_t pd_id, wire::Message& m
     if (!r.from.empty() || r.key != pd_id || r.part != index)
       throw WireError(WireErrc::kMalformed, "a reply's reference must name the replier's own tensor " + std::to_string(index) +
                                                 " of request " + std::to_string(pd_id));
-    out.held = Held{from, pd_id, uint32_t(index), r.desc};
+    out.set(Held{from, pd_id, uint32_t(index), r.desc});
     return out;
   }
   throw WireError(WireErrc::kMalformed, "a reply mixes held and sent tensors");

@@ -287,12 +287,12 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   if (!f.eval && !cfg_.echo) {
     // Bytes through the router count here; bytes fetched peer to peer when the receiver reports them.
     if (f.stage > 0 && f.inputs[s].bytes) {
-      bytes_act += f.inputs[s].desc().wire_bytes();
-      bytes_relayed += f.inputs[s].desc().wire_bytes();
+      bytes_act += f.inputs[s].wire_bytes;
+      bytes_relayed += f.inputs[s].wire_bytes;
     }
     if (f.kind == HopKind::kBackward && f.grads[s].bytes) {
-      bytes_grad += f.grads[s].desc().wire_bytes();
-      bytes_relayed += f.grads[s].desc().wire_bytes();
+      bytes_grad += f.grads[s].wire_bytes;
+      bytes_relayed += f.grads[s].wire_bytes;
     }
   }
   // Deadline: a generous multiple of what this peer should need, within the job's bounds.
@@ -408,7 +408,8 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
     bad = "answered without a loss";
   } else if (want_tensors == 1) {
     const wire::TensorDesc& d = m.tensors.empty() ? m.refs[0].desc : m.tensors[0].desc;
-    if (d.dtype != wire::DType::kF32 || d.shape != std::vector<int64_t>{cfg_.B, cfg_.T, cfg_.d_model} || !(d.codec == *codec))
+    const bool shaped = d.shape.size() == 3 && d.shape[0] == cfg_.B && d.shape[1] == cfg_.T && d.shape[2] == cfg_.d_model;
+    if (d.dtype != wire::DType::kF32 || !shaped || !(d.codec == *codec))
       bad = "answered a tensor that is not f32 [" + std::to_string(cfg_.B) + ", " + std::to_string(cfg_.T) + ", " +
             std::to_string(cfg_.d_model) + "] in codec " + codec->name();
   }
@@ -440,9 +441,9 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   if (r.fetched && !f.eval && !cfg_.echo) {
     // What the receiver fetched peer to peer, at most the tensor's size (its word is only a figure).
     const std::vector<int64_t>& got = *r.fetched;
-    if (got.size() > 0 && f.stage > 0 && f.inputs[s].held) bytes_act += std::min<uint64_t>(uint64_t(got[0]), f.inputs[s].desc().wire_bytes());
+    if (got.size() > 0 && f.stage > 0 && f.inputs[s].held) bytes_act += std::min<uint64_t>(uint64_t(got[0]), f.inputs[s].wire_bytes);
     if (got.size() > 1 && f.kind == HopKind::kBackward && f.grads[s].held)
-      bytes_grad += std::min<uint64_t>(uint64_t(got[1]), f.grads[s].desc().wire_bytes());
+      bytes_grad += std::min<uint64_t>(uint64_t(got[1]), f.grads[s].wire_bytes);
   }
   // The hop's output: its bytes (kept here), or a reference to the peer that holds it.
   auto take = [&]() { return Ctx::take_reply_tensor(p.id, pd.id, m, 0); };
@@ -621,7 +622,7 @@ HopOutcome Flights::on_uploaded(Ctx& c, Peer& p, const Pending& pd, wire::Messag
   wire::Tensor t = std::move(m.tensors[0]);
   wire::compress(t);
   c.drop(*sl);  // the holder's copy is no longer needed
-  sl->bytes = std::move(t);
+  sl->set(std::move(t));
   return out;
 }
 

@@ -62,12 +62,23 @@ class Boxed {
 };
 
 // A tensor a job needs: its bytes (kept by the router), or where they are held; neither: not
-// made yet (or lost with its holder).
+// made yet (or lost with its holder). Filled with set(), emptied with Ctx::drop.
 struct Slot {
   Boxed<wire::Tensor> bytes;
   Boxed<Held> held;
+  uint64_t wire_bytes = 0;   // desc().wire_bytes(), kept beside the boxes: a result's accounting reads it without a cache miss
   bool known() const { return bytes.has_value() || held.has_value(); }
   const wire::TensorDesc& desc() const { return bytes ? bytes->desc : held->desc; }
+  void set(wire::Tensor t) {
+    wire_bytes = t.desc.wire_bytes();
+    held.reset();
+    bytes = std::move(t);
+  }
+  void set(Held h) {
+    wire_bytes = h.desc.wire_bytes();
+    bytes.reset();
+    held = std::move(h);
+  }
 };
 
 // Everything a job may touch while it handles one event.

@@ -36,6 +36,7 @@ struct Peer {
   PeerId id;
   double queued_units = 0;        // work sent to it and not answered yet
   double ms_per_unit = 0;         // timing::ema of compute ms per work unit, from its results; 0: not measured
+  double turnaround_ms = 0;       // timing::ema of reply latency per unit (its queue and transfers included)
   double banned_until_s = 0;
   double unresponsive_until_s = 0;
   double last_request_s = -1e300;  // when the router last sent it a request (it has heard from the router)
@@ -47,7 +48,6 @@ struct Peer {
   PeerState state = PeerState::kIdle;   // change with Registry::set_state
   double joined_s = 0, last_seen_s = 0;
   double expiry_filed_s = 0;      // the Registry's: the time its liveness entry is filed under
-  double turnaround_ms = 0;       // timing::ema of reply latency per unit (its queue and transfers included)
   int bans = 0;
   uint64_t results = 0, failures = 0, integrity_failures = 0, timeouts = 0;
   int timeouts_in_row = 0;        // deadlines passed since its last answer

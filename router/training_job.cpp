@@ -281,7 +281,7 @@ wire::Tensor TrainingJob::tokens(uint64_t index, bool eval, bool targets) const 
   // u16: every token id fits (TokenData), half the bytes of i32 on the router's link; every
   // stage server takes either.
   const size_t n = size_t(B) * size_t(T);
-  wire::Tensor t = wire::make_tensor(wire::DType::kU16, {B, T}, compression::CodecSpec{}, n * 2);
+  wire::Tensor t = wire::make_pooled_tensor(wire::DType::kU16, {B, T}, compression::CodecSpec{}, n * 2);
   auto* out = static_cast<uint16_t*>(t.data.data());
   sample_microbatch_into(*data_, split, spec_.seed, index, B, T, targets ? nullptr : out, targets ? out : nullptr);
   wire::seal(t);

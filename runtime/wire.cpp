@@ -7,7 +7,9 @@
 #include "runtime/wire.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include <msgpack.hpp>
 #include <xxhash.h>
@@ -342,6 +344,69 @@ Tensor make_tensor(DType dtype, std::vector<int64_t> shape, const compression::C
   t.desc.codec = codec;
   t.desc.nbytes = nbytes;
   t.data.rebuild(nbytes);
+  return t;
+}
+
+namespace {
+
+// Freed buffers by size, at most kPooledPerSize of each; the rest go back to malloc. Never
+// destroyed: a frame may be closed by ZeroMQ's I/O thread during exit.
+class BufferPool {
+ public:
+  static BufferPool& get() {
+    static BufferPool* pool = new BufferPool;
+    return *pool;
+  }
+  void* take(size_t n) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (Free& f : free_)
+        if (f.size == n && !f.bufs.empty()) {
+          void* p = f.bufs.back();
+          f.bufs.pop_back();
+          return p;
+        }
+    }
+    void* p = std::malloc(std::max<size_t>(n, 1));
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  static void give(void* data, void* hint) {
+    BufferPool& pool = get();
+    const size_t n = reinterpret_cast<size_t>(hint);
+    {
+      std::lock_guard<std::mutex> lock(pool.mu_);
+      Free* slot = nullptr;
+      for (Free& f : pool.free_)
+        if (f.size == n) slot = &f;
+      if (!slot && pool.free_.size() < kSizes) slot = &pool.free_.emplace_back(Free{n, {}});
+      if (slot && slot->bufs.size() < kPooledPerSize) {
+        slot->bufs.push_back(data);
+        return;
+      }
+    }
+    std::free(data);
+  }
+
+ private:
+  static constexpr size_t kPooledPerSize = 64, kSizes = 8;
+  struct Free {
+    size_t size;
+    std::vector<void*> bufs;
+  };
+  std::mutex mu_;
+  std::vector<Free> free_;
+};
+
+}  // namespace
+
+Tensor make_pooled_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec, size_t nbytes) {
+  Tensor t;
+  t.desc.dtype = dtype;
+  t.desc.shape = std::move(shape);
+  t.desc.codec = codec;
+  t.desc.nbytes = nbytes;
+  t.data = zmq::message_t(BufferPool::get().take(nbytes), nbytes, &BufferPool::give, reinterpret_cast<void*>(nbytes));
   return t;
 }
 

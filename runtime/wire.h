@@ -161,6 +161,12 @@ uint64_t zeros_checksum(size_t n);
 // A tensor frame for `n` bytes to be filled by the caller; call `seal` after filling.
 Tensor make_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec,
                    size_t nbytes);
+// The same, its buffer taken from a process-wide pool of freed buffers of that size and given
+// back to it when the last share of the frame is closed (by whichever thread: ZeroMQ's I/O
+// thread after a send). For frames made over and over at one size: the router's token tensors,
+// two a microbatch, where a fresh 32 KB malloc made glibc consolidate its fast bins each time.
+Tensor make_pooled_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec,
+                          size_t nbytes);
 void seal(Tensor& t);   // computes the checksum
 // The tensors in slot order, once every reference has been fetched: `fetched[i]` is the
 // tensor of m.refs[i]. Throws WireError(kBadTensor) naming the slot when a fetched tensor is not

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
 #include <random>
 
 #include <msgpack.hpp>
@@ -133,6 +134,33 @@ TEST(Wire, SharedTensorIsZeroCopy) {
   Tensor c = share(t);
   EXPECT_EQ(c.data.data(), t.data.data());
   EXPECT_EQ(c.desc.checksum, t.desc.checksum);
+}
+
+TEST(Wire, PooledTensorOutlivesItsMakerAndItsBufferIsReusedOnceEveryShareIsClosed) {
+  const size_t n = 4097 * 2;   // a size no other test pools
+  const void* first = nullptr;
+  {
+    Tensor t = make_pooled_tensor(DType::kU16, {4097}, compression::CodecSpec{}, n);
+    ASSERT_EQ(t.data.size(), n);
+    std::memset(t.data.data(), 7, n);
+    seal(t);
+    first = t.data.data();
+    Tensor c = share(t);
+    t = Tensor{};   // the maker lets go; the share still reads the bytes
+    EXPECT_EQ(static_cast<const unsigned char*>(c.data.data())[n - 1], 7);
+    EXPECT_EQ(checksum(c.data.data(), n), c.desc.checksum);
+    // While a share is open the buffer is not handed out again.
+    Tensor other = make_pooled_tensor(DType::kU16, {4097}, compression::CodecSpec{}, n);
+    EXPECT_NE(other.data.data(), first);
+  }
+  // Both frames closed: their buffers wait in the pool (malloc cannot hand them out), and the
+  // next frames of that size take them.
+  void* elsewhere = std::malloc(n);
+  EXPECT_NE(elsewhere, first);
+  std::free(elsewhere);
+  Tensor again = make_pooled_tensor(DType::kU16, {4097}, compression::CodecSpec{}, n);
+  Tensor third = make_pooled_tensor(DType::kU16, {4097}, compression::CodecSpec{}, n);
+  EXPECT_TRUE(again.data.data() == first || third.data.data() == first);
 }
 
 TEST(Wire, RejectsTooFewFrames) {
