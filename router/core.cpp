@@ -66,7 +66,8 @@ void Ctx::attach(wire::Message& m, Slot& s, uint32_t index) const {
 }
 
 void Ctx::drop(Slot& s) {
-  if (s.held && peers.find(s.held->holder)) release(s.held->holder, s.held->key);
+  if (s.held)
+    if (Peer* p = peers.find(s.held->holder)) release(*p, s.held->key);
   s.bytes.reset();
   s.held.reset();
   s.wire_bytes = 0;
@@ -473,21 +474,20 @@ constexpr double kReleaseEveryS = 0.25;
 
 // RELEASE to each holder what it may drop (in holder order: the same every run).
 void RouterCore::Impl::send_releases(Ctx& c) {
-  std::vector<std::pair<const PeerId*, std::vector<int64_t>*>> holders;
-  holders.reserve(released.size());
-  for (auto& [holder, keys] : released) holders.emplace_back(&holder, &keys);
-  std::sort(holders.begin(), holders.end(), [](const auto& a, const auto& b) { return *a.first < *b.first; });
-  for (const auto& [holder_ptr, keys_ptr] : holders) {
-    const PeerId& holder = *holder_ptr;
-    const std::vector<int64_t>& keys = *keys_ptr;
-    if (!peers.find(holder)) continue;
+  // A holder that left since lost its keys with its record (a new session holds none of them).
+  std::sort(releasing.begin(), releasing.end());
+  for (const PeerId& holder : releasing) {
+    Peer* p = peers.find(holder);
+    if (!p) continue;
+    const std::vector<int64_t>& keys = p->to_release;
     for (size_t at = 0; at < keys.size(); at += msg::Release::kMaxKeys) {
       msg::Release r;
       r.keys.assign(keys.begin() + long(at), keys.begin() + long(std::min(keys.size(), at + msg::Release::kMaxKeys)));
       c.send(holder, msg::make(r));
     }
+    p->to_release.clear();
   }
-  released.clear();
+  releasing.clear();
 }
 
 Actions RouterCore::tick(double now) {

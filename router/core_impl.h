@@ -42,13 +42,13 @@ struct RouterCore::Impl {
   uint64_t bad_messages = 0;
   double last_beat_s = -1e300;
   double last_release_s = -1e300;
-  std::unordered_map<PeerId, std::vector<int64_t>> released;   // RELEASE keys per holder, sent by tick (in holder order)
+  std::vector<PeerId> releasing;   // peers with keys to RELEASE (Peer::to_release), sent by tick in id order
   Events events;                           // the timeline: the status's `events`, /api/events
 
   explicit Impl(CoreOptions o) : opt(std::move(o)), peers(opt.heartbeat_ms, opt.liveness) {}
   Ctx ctx(double now, Actions& out) {
     out.reserve(4);   // most events send a request or two: one allocation, no moves
-    return Ctx{now, opt, peers, requests, out, released, events};
+    return Ctx{now, opt, peers, requests, out, releasing, events};
   }
 
   Job* find_job(uint64_t id) {

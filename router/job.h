@@ -88,14 +88,20 @@ struct Ctx {
   Registry& peers;
   Requests& requests;
   Actions& out;
-  std::unordered_map<PeerId, std::vector<int64_t>>& released;   // keys to RELEASE at each holder, sent at the next tick
+  std::vector<PeerId>& releasing;   // holders with keys to RELEASE (Peer::to_release), sent at a tick
   Events& events;                                     // the timeline (router/events.h)
 
   void send(const PeerId& to, wire::Message m) { out.push_back(Send{to, std::move(m)}); }
   void log(LogLevel level, std::string text) { out.push_back(Log{level, std::move(text), 0, {}}); }
   void info(std::string text) { log(LogLevel::kInfo, std::move(text)); }
   // The tensors a peer holds for request `key` are no longer needed.
-  void release(const PeerId& holder, uint64_t key) { released[holder].push_back(int64_t(key)); }
+  void release(const PeerId& holder, uint64_t key) {
+    if (Peer* p = peers.find(holder)) release(*p, key);
+  }
+  void release(Peer& holder, uint64_t key) {
+    if (holder.to_release.empty()) releasing.push_back(holder.id);
+    holder.to_release.push_back(int64_t(key));
+  }
   // Request tensor `index` of `m`: a share of its bytes, or a reference the receiver fetches
   // from its holder's listen address.
   void attach(wire::Message& m, Slot& s, uint32_t index) const;

@@ -63,6 +63,7 @@ struct Peer {
   // longer pushed to, and fetches what it needs.
   uint64_t pushes_to = 0, pushes_late = 0;
   bool no_push = false;
+  std::vector<int64_t> to_release;   // keys of what it holds that nobody needs, for its next RELEASE (Ctx::release)
   bool can_hold() const { return !hello.listen.empty() && !relayed; }
   bool pinned() const { return hello.stage >= 0; }
   // Its measured ms per unit, else what its heartbeat says, else 0.
