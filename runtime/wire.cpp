@@ -401,10 +401,7 @@ class BufferPool {
 }  // namespace
 
 Tensor make_pooled_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec, size_t nbytes) {
-  Tensor t;
-  t.desc.dtype = dtype;
-  t.desc.shape = std::move(shape);
-  t.desc.codec = codec;
+  Tensor t = make_tensor(dtype, std::move(shape), codec, 0);
   t.desc.nbytes = nbytes;
   t.data = zmq::message_t(BufferPool::get().take(nbytes), nbytes, &BufferPool::give, reinterpret_cast<void*>(nbytes));
   return t;
