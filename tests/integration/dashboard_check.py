@@ -13,6 +13,7 @@ import argparse
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -123,6 +124,7 @@ STATE_JS = """(() => {
   return {
     job: q('#job-name').textContent, state: q('#job-state').textContent, live: q('#live').textContent,
     step: q('#step').textContent, train_loss: q('#train-loss').textContent, tokens: q('#tokens-per-s').textContent,
+    microbatches: q('#mb') ? q('#mb').textContent : '',
     loss_points: Number(q('#loss-chart').dataset.points),
     // Lines the browser draws: SVG elements with a length on the screen.
     loss_lines: qa('#loss-chart polyline').filter(l => l instanceof SVGPolylineElement && l.getBoundingClientRect().width > 0).length,
@@ -193,6 +195,8 @@ def main():
             fail("the page does not say it is live", before)
         if "job" not in before["job"] or before["train_loss"] == "-" or before["step"] == "-":
             fail("the header lacks the job, its step or its loss", before)
+        if not re.search(r"[0-9,]+ in flight of at most [0-9,]+ \([0-9,]+ at the router\)", before["microbatches"]):
+            fail("the header does not say how many microbatches are in flight, of how many at most", before)
         if before["loss_lines"] < 1:
             fail("the loss chart draws no line", before)
         for c in before["stages"]:

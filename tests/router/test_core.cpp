@@ -322,6 +322,7 @@ TEST(Core, WithEveryPeerFullTheRestWaitAtTheRouterUntilOneHasRoom) {
   EXPECT_EQ(received(f, ids[0], MsgType::kForward), 4u);
   EXPECT_EQ(received(f, ids[1], MsgType::kForward), 4u);
   EXPECT_EQ(f.status(job)["microbatches"]["in_flight"], 16);
+  EXPECT_EQ(f.status(job)["microbatches"]["max_inflight"], 16);   // one job step, derived
   EXPECT_EQ(f.status(job)["microbatches"]["waiting"], 8);
   for (const PeerId& id : {ids[0], ids[1]}) {
     f.peers.at(id).silent_from.reset();
