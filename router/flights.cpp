@@ -209,9 +209,13 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   std::vector<Candidate> cands;
   bool open = false;   // an eligible peer with room in its queue
   bool room = false;   // a peer with room, eligible or not (it may have failed this hop)
+  // The peer keeping this microbatch's forward graph, compared by record: the candidates' ids
+  // stay unread.
+  const Peer* affine = f.kind == HopKind::kBackward && !f.fwd_peer[size_t(f.stage)].empty() ? c.peers.find(f.fwd_peer[size_t(f.stage)]) : nullptr;
   auto describe = [&] {
     size_t tried_live = 0;
-    for (const Peer* p : peers) tried_live += f.tried.count(p->id);
+    if (!f.tried.empty())
+      for (const Peer* p : peers) tried_live += f.tried.count(p->id);
     cands.clear();
     cands.reserve(peers.size());
     open = false;
@@ -225,10 +229,10 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
       // figure (a cold start, a load timed while its host was busy) cannot keep it from ever
       // being tried, and measured.
       cd.ms_per_unit = p->ms_per_unit;
-      cd.affinity = f.kind == HopKind::kBackward && f.fwd_peer[size_t(f.stage)] == p->id;
+      cd.affinity = p == affine;
       // A peer that failed this hop is tried again only once every live peer has failed it.
       const bool banned = c.peers.banned(*p, c.now);
-      cd.excluded = banned || (f.tried.count(p->id) && tried_live < peers.size());
+      cd.excluded = banned || (tried_live > 0 && f.tried.count(p->id) && tried_live < peers.size());
       cd.full = p->queued_units >= queue_bound_units(p->ms_per_unit > 0 ? p->deadline_ms_per_unit() : 0, cfg_.max_queued_s);
       eligible |= !cd.excluded;
       open |= !cd.excluded && !cd.full;

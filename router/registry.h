@@ -29,16 +29,16 @@ using PeerId = std::string;   // a ZeroMQ routing id (opaque bytes)
 enum class PeerState { kIdle, kLoading, kSyncing, kReady, kQuarantined };
 const char* peer_state_name(PeerState s);
 
-struct Peer {
-  // Read for every candidate of every hop (Flights::send_hop, Registry::stage_peers), at 1,000
-  // peers a few dozen peers per hop: kept together with the id, so that a candidate costs one
-  // or two cache lines instead of three (docs/scale.md).
-  PeerId id;
+// Aligned to a cache line, so the fields dispatch reads for every candidate of every hop
+// (Flights::send_hop, Registry::stage_peers: at 1,000 peers a few dozen peers a hop) share one
+// line and a candidate costs one cache miss, not two (docs/scale.md).
+struct alignas(64) Peer {
   double queued_units = 0;        // work sent to it and not answered yet
   double ms_per_unit = 0;         // timing::ema of compute ms per work unit, from its results; 0: not measured
   double turnaround_ms = 0;       // timing::ema of reply latency per unit (its queue and transfers included)
   double banned_until_s = 0;
   double unresponsive_until_s = 0;
+  PeerId id;
   double last_request_s = -1e300;  // when the router last sent it a request (it has heard from the router)
   uint64_t seq = 0;               // join order, assigned by the router (ties and donors use it, never the id)
   msg::Hello hello;               // what it said about itself (name cut to 64 bytes)
