@@ -206,7 +206,7 @@ std::vector<Peer*> Flights::candidates(Ctx& c, const Flight& f) {
 bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   std::vector<Peer*> peers = candidates(c, f);
   if (peers.empty()) return true;  // paused until a peer of the stage is ready
-  std::vector<Candidate> cands;
+  std::vector<Candidate>& cands = cands_;
   bool open = false;   // an eligible peer with room in its queue
   bool room = false;   // a peer with room, eligible or not (it may have failed this hop)
   // The peer keeping this microbatch's forward graph, compared by record: the candidates' ids

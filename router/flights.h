@@ -240,6 +240,7 @@ class Flights {
     uint64_t full_since = 0;               // ...when the registry's ready_changes() was this
   };
   std::vector<StageQueue> waiting_;        // [stages]
+  std::vector<Candidate> cands_;           // send_hop's scratch: kept, so a hop allocates none
   // async (closes_steps_of > 0): per job step, the backwards sent to each stage.
   std::map<uint64_t, std::vector<int>> backwards_sent_;
   // Counts a training backward sent (first attempts only); true when it is its step's last at its stage.
