@@ -10,7 +10,7 @@ namespace {
 
 // A flat fp32 parameter array of n values (the codec fp32: raw little-endian floats), all finite.
 bool flat_values(const wire::Tensor& t, int64_t n, std::vector<float>* out) {
-  if (t.desc.dtype != wire::DType::kF32 || t.desc.shape != std::vector<int64_t>{n} || t.desc.codec.codec != compression::Codec::kFp32)
+  if (t.desc.dtype != wire::DType::kF32 || t.desc.shape != wire::Shape{int64_t(n)} || t.desc.codec.codec != compression::Codec::kFp32)
     return false;
   out->resize(size_t(n));
   std::memcpy(out->data(), t.data.data(), size_t(n) * 4);

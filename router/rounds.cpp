@@ -186,7 +186,7 @@ void Rounds::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
     if (m.tensors.size() + m.refs.size() != count) return false;
     for (size_t j = 0; j < count; ++j) {
       const wire::TensorDesc& d = m.refs.empty() ? m.tensors[j].desc : m.refs[j].desc;
-      if (d.dtype != wire::DType::kF32 || d.shape != std::vector<int64_t>{n(j)} || !(d.codec == outer_)) return false;
+      if (d.dtype != wire::DType::kF32 || d.shape != wire::Shape{int64_t(n(j))} || !(d.codec == outer_)) return false;
     }
     return true;
   };

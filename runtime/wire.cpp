@@ -337,10 +337,10 @@ Message json_message(MsgType t, uint64_t id, uint32_t attempt, const nlohmann::j
 
 nlohmann::json body_json(const Message& m) { return unpack_json(m.body, msg_type_name(m.type)); }
 
-Tensor make_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec, size_t nbytes) {
+Tensor make_tensor(DType dtype, Shape shape, const compression::CodecSpec& codec, size_t nbytes) {
   Tensor t;
   t.desc.dtype = dtype;
-  t.desc.shape = std::move(shape);
+  t.desc.shape = shape;
   t.desc.codec = codec;
   t.desc.nbytes = nbytes;
   t.data.rebuild(nbytes);
@@ -400,8 +400,8 @@ class BufferPool {
 
 }  // namespace
 
-Tensor make_pooled_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec, size_t nbytes) {
-  Tensor t = make_tensor(dtype, std::move(shape), codec, 0);
+Tensor make_pooled_tensor(DType dtype, Shape shape, const compression::CodecSpec& codec, size_t nbytes) {
+  Tensor t = make_tensor(dtype, shape, codec, 0);
   t.desc.nbytes = nbytes;
   t.data = zmq::message_t(BufferPool::get().take(nbytes), nbytes, &BufferPool::give, reinterpret_cast<void*>(nbytes));
   return t;

@@ -23,6 +23,7 @@
 
 #include "runtime/codec_spec.h"
 #include "runtime/errors.h"
+#include "runtime/shape.h"
 
 namespace swarm::wire {
 
@@ -91,7 +92,7 @@ size_t dtype_bytes(DType d);
 // (tokens) travel raw with codec "raw".
 struct TensorDesc {
   DType dtype = DType::kF32;
-  std::vector<int64_t> shape;
+  Shape shape;                    // inline (runtime/shape.h): a description copies without a malloc
   compression::CodecSpec codec;   // ignored for integer dtypes
   uint64_t nbytes = 0;            // the codec's encoded bytes (encoded_bytes of the codec and shape)
   uint64_t checksum = 0;          // XXH3-64 of the payload bytes, seed 0
@@ -159,13 +160,13 @@ uint64_t checksum(const void* data, size_t n);
 uint64_t zeros_checksum(size_t n);
 
 // A tensor frame for `n` bytes to be filled by the caller; call `seal` after filling.
-Tensor make_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec,
+Tensor make_tensor(DType dtype, Shape shape, const compression::CodecSpec& codec,
                    size_t nbytes);
 // The same, its buffer taken from a process-wide pool of freed buffers of that size and given
 // back to it when the last share of the frame is closed (by whichever thread: ZeroMQ's I/O
 // thread after a send). For frames made over and over at one size: the router's token tensors,
 // two a microbatch, where a fresh 32 KB malloc made glibc consolidate its fast bins each time.
-Tensor make_pooled_tensor(DType dtype, std::vector<int64_t> shape, const compression::CodecSpec& codec,
+Tensor make_pooled_tensor(DType dtype, Shape shape, const compression::CodecSpec& codec,
                           size_t nbytes);
 void seal(Tensor& t);   // computes the checksum
 // The tensors in slot order, once every reference has been fetched: `fetched[i]` is the

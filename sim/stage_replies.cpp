@@ -12,7 +12,7 @@ namespace swarm::sim {
 
 using wire::MsgType;
 
-wire::Tensor Payloads::zeros(wire::DType dtype, const std::vector<int64_t>& shape, const compression::CodecSpec& codec) {
+wire::Tensor Payloads::zeros(wire::DType dtype, const wire::Shape& shape, const compression::CodecSpec& codec) {
   for (wire::Tensor& t : cache_)   // the hops' few payloads came first
     if (t.desc.dtype == dtype && t.desc.shape == shape && t.desc.codec == codec) return wire::share(t);
   int64_t n = 1;
@@ -144,8 +144,8 @@ wire::Message hop(StageBook& b, const wire::Message& m, const std::vector<int64_
     return e;
   }
   auto act = [&](const compression::CodecSpec& codec) {
-    const std::vector<int64_t> shape =
-        q.wrong_shape.empty() ? std::vector<int64_t>{s.batch.microbatch_size, s.model.seq_len, s.model.d_model} : q.wrong_shape;
+    const wire::Shape shape =
+        q.wrong_shape.empty() ? wire::Shape{s.batch.microbatch_size, s.model.seq_len, s.model.d_model} : q.wrong_shape;
     return pay.zeros(wire::DType::kF32, shape, codec);
   };
   msg::Result r;

@@ -31,7 +31,7 @@ namespace swarm::sim {
 // delta) is the kernel's zero pages until something writes it, which nothing here does.
 class Payloads {
  public:
-  wire::Tensor zeros(wire::DType dtype, const std::vector<int64_t>& shape, const compression::CodecSpec& codec);
+  wire::Tensor zeros(wire::DType dtype, const wire::Shape& shape, const compression::CodecSpec& codec);
   size_t size() const { return cache_.size(); }
 
  private:
@@ -78,7 +78,7 @@ struct StageBook {
 
 // How a peer lies or breaks.
 struct Quirks {
-  std::vector<int64_t> wrong_shape;  // non-empty: its activations have this shape
+  wire::Shape wrong_shape;  // non-empty: its activations have this shape
   int bad_input_reports = 0;         // reports its next N stage inputs as bad (ERROR bad_tensor, tensor 0)
   int64_t params = -1;               // what it claims in STAGE_READY (-1: the truth)
   uint64_t hash = 7;                 // the state hash it reports

@@ -74,8 +74,8 @@ wire::Tensor encode_on_device(const torch::Tensor& in, const compression::CodecS
     c10::cuda::CUDAStreamGuard on_side(side);  // allocated for (and freed after) the codec stream
     encoded = torch::empty({int64_t(nbytes)}, x.options().dtype(torch::kUInt8));
   }
-  std::vector<int64_t> shape(in.sizes().begin(), in.sizes().end());
-  wire::Tensor w = wire::make_tensor(wire::DType::kF32, std::move(shape), codec, nbytes);
+  const wire::Shape shape(in.sizes().begin(), in.sizes().end());
+  wire::Tensor w = wire::make_tensor(wire::DType::kF32, shape, codec, nbytes);
   if (n > 0) {
     compression::cuda::encode(codec, x.data_ptr<float>(), n, encoded.data_ptr<uint8_t>(), side.stream());
     uint8_t* host = g_down.get(nbytes);
@@ -101,7 +101,7 @@ torch::Tensor decode_on_device(const wire::Tensor& w, const torch::Device& devic
   {
     c10::cuda::CUDAStreamGuard on_side(side);
     encoded = torch::empty({int64_t(nbytes)}, torch::TensorOptions().dtype(torch::kUInt8).device(dev));
-    out = torch::empty(w.desc.shape, torch::TensorOptions().dtype(torch::kFloat32).device(dev));
+    out = torch::empty(sizes_of(w.desc.shape), torch::TensorOptions().dtype(torch::kFloat32).device(dev));
   }
   if (n > 0) {
     uint8_t* host = g_up.get(nbytes);

@@ -9,17 +9,17 @@ namespace swarm {
 
 wire::Tensor to_wire(const torch::Tensor& in, const compression::CodecSpec& codec) {
   torch::Tensor t = in.detach().to(torch::kCPU);
-  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  const wire::Shape shape(t.sizes().begin(), t.sizes().end());
   wire::Tensor w;
   if (t.is_floating_point()) {
     t = t.to(torch::kFloat32).contiguous();
     const int64_t n = t.numel();
-    w = wire::make_tensor(wire::DType::kF32, std::move(shape), codec, compression::encoded_bytes(codec, n));
+    w = wire::make_tensor(wire::DType::kF32, shape, codec, compression::encoded_bytes(codec, n));
     compression::encode(codec, t.data_ptr<float>(), n, static_cast<uint8_t*>(w.data.data()));
   } else {
     t = t.to(torch::kInt32).contiguous();
     const size_t nbytes = size_t(t.numel()) * sizeof(int32_t);
-    w = wire::make_tensor(wire::DType::kI32, std::move(shape), compression::CodecSpec{}, nbytes);
+    w = wire::make_tensor(wire::DType::kI32, shape, compression::CodecSpec{}, nbytes);
     if (nbytes) std::memcpy(w.data.data(), t.data_ptr<int32_t>(), nbytes);
   }
   wire::seal(w);
@@ -41,7 +41,7 @@ torch::Tensor from_wire(const wire::Tensor& w, int expect_rank, int64_t expect_l
   const int64_t n = d.numel();
   switch (d.dtype) {
     case wire::DType::kF32: {
-      torch::Tensor t = torch::empty(d.shape, torch::kFloat32);
+      torch::Tensor t = torch::empty(sizes_of(d.shape), torch::kFloat32);
       try {
         compression::decode(d.codec, static_cast<const uint8_t*>(w.data.data()), w.data.size(), n, t.data_ptr<float>());
       } catch (const CodecError& e) {
@@ -50,12 +50,12 @@ torch::Tensor from_wire(const wire::Tensor& w, int expect_rank, int64_t expect_l
       return t;
     }
     case wire::DType::kI32: {
-      torch::Tensor t = torch::empty(d.shape, torch::kInt32);
+      torch::Tensor t = torch::empty(sizes_of(d.shape), torch::kInt32);
       if (n) std::memcpy(t.data_ptr<int32_t>(), w.data.data(), size_t(n) * 4);
       return t.to(torch::kInt64);
     }
     case wire::DType::kU16: {
-      torch::Tensor t = torch::empty(d.shape, torch::kInt64);
+      torch::Tensor t = torch::empty(sizes_of(d.shape), torch::kInt64);
       const auto* src = static_cast<const uint8_t*>(w.data.data());
       int64_t* dst = t.data_ptr<int64_t>();
       for (int64_t i = 0; i < n; ++i) dst[i] = int64_t(src[2 * i]) | (int64_t(src[2 * i + 1]) << 8);

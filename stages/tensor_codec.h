@@ -18,6 +18,9 @@ wire::Tensor to_wire(const torch::Tensor& t, const compression::CodecSpec& codec
 // `expect_rank` (when >= 0) and `expect_last_dim` (when > 0) are checked; throws WireError.
 torch::Tensor from_wire(const wire::Tensor& t, int expect_rank = -1, int64_t expect_last_dim = 0);
 
+// A frame's shape as torch takes sizes (a view of it: the shape must outlive the call).
+inline c10::IntArrayRef sizes_of(const wire::Shape& s) { return c10::IntArrayRef(s.data(), s.size()); }
+
 // The shape checks of from_wire alone (throws WireError).
 void check_frame_shape(const wire::Tensor& t, int expect_rank, int64_t expect_last_dim);
 

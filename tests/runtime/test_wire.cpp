@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <type_traits>
 
 #include <msgpack.hpp>
 
@@ -58,6 +59,32 @@ TEST(Wire, RoundTripWithTensors) {
   ASSERT_EQ(d.tensors.size(), 1u);
   EXPECT_EQ(d.tensors[0].desc.shape, (std::vector<int64_t>{2, 3}));
   EXPECT_EQ(static_cast<const float*>(d.tensors[0].data.data())[5], 6.f);
+}
+
+// A shape of every rank the wire allows (0 to kMaxTensorRank) comes back as it went; a shape
+// cannot grow past that rank; a description copies as plain bytes (the router copies one into
+// every reference it sends).
+TEST(Wire, ShapesOfEveryAllowedRankRoundTrip) {
+  static_assert(std::is_trivially_copyable<TensorDesc>::value, "a TensorDesc copies without the heap");
+  for (size_t rank = 0; rank <= limits::kMaxTensorRank; ++rank) {
+    std::vector<int64_t> dims;
+    for (size_t i = 0; i < rank; ++i) dims.push_back(int64_t(i % 3 + 1));
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    Message m(MsgType::kForward, 1, 0);
+    m.tensors.push_back(f32_tensor(std::vector<float>(size_t(n), 1.f), dims));
+    auto frames = frames_of(std::move(m));
+    Message d = decode(frames);
+    ASSERT_EQ(d.tensors.size(), 1u);
+    EXPECT_EQ(d.tensors[0].desc.shape.size(), rank);
+    EXPECT_EQ(d.tensors[0].desc.shape, Shape(dims)) << "rank " << rank;
+    EXPECT_EQ(d.tensors[0].desc.shape.vec(), dims);
+    EXPECT_EQ(d.tensors[0].desc.numel(), n);
+  }
+  Shape full(std::vector<int64_t>(limits::kMaxTensorRank, 1));
+  EXPECT_THROW(full.push_back(1), InternalError);
+  EXPECT_NE(Shape({2, 3}), Shape({2, 3, 1}));
+  EXPECT_NE(Shape({2, 3}), Shape({3, 2}));
 }
 
 // The checksum of a payload of zeros, worked out without its bytes, is what sealing it gives.
