@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <new>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -30,35 +31,101 @@ struct Held {
   wire::TensorDesc desc;
 };
 
+// Freed boxes of one type, kept for the next box of that type: a hop fills and empties a
+// flight's slots all the time, and glibc's per-thread cache keeps only seven blocks of a size,
+// so a burst of hops went through malloc's slow path. At most kKeep blocks wait per type and
+// thread; the rest go back to the heap.
+template <class T>
+class BoxPool {
+ public:
+  static constexpr size_t kKeep = 4096;
+  static void* get() {
+    BoxPool& p = mine();
+    if (p.closed_ || p.free_.empty()) return ::operator new(sizeof(T));
+    void* m = p.free_.back();
+    p.free_.pop_back();
+    return m;
+  }
+  // Freed blocks waiting on this thread.
+  static size_t kept() { return mine().free_.size(); }
+  static void put(void* m) {
+    BoxPool& p = mine();
+    if (!p.closed_ && p.free_.size() < kKeep) p.free_.push_back(m);
+    else ::operator delete(m);
+  }
+
+ private:
+  // A box that outlives its thread's pool (a static destroyed after the thread's locals) goes
+  // straight back to the heap.
+  ~BoxPool() {
+    for (void* m : free_) ::operator delete(m);
+    free_.clear();
+    closed_ = true;
+  }
+  static BoxPool& mine() {
+    thread_local BoxPool pool;
+    return pool;
+  }
+  std::vector<void*> free_;
+  bool closed_ = false;
+};
+
 // An optional kept on the heap: as small as a pointer when empty. A flight keeps 2 x stages
 // slots, most of them empty at any time; inline optionals made each slot ~340 bytes, and the
-// router's hot path a walk through cache misses at thousands of flights.
+// router's hot path a walk through cache misses at thousands of flights. Its blocks come from
+// BoxPool<T>.
 template <class T>
 class Boxed {
  public:
   Boxed() = default;
-  Boxed(const Boxed& o) : p_(o.p_ ? std::make_unique<T>(*o.p_) : nullptr) {}
-  Boxed(Boxed&&) noexcept = default;
+  Boxed(const Boxed& o) : p_(o.p_ ? make(*o.p_) : nullptr) {}
+  Boxed(Boxed&& o) noexcept : p_(o.p_) { o.p_ = nullptr; }
+  ~Boxed() { reset(); }
   Boxed& operator=(const Boxed& o) {
-    if (this != &o) p_ = o.p_ ? std::make_unique<T>(*o.p_) : nullptr;
+    if (this == &o) return *this;
+    if (!o.p_) reset();
+    else if (p_) *p_ = *o.p_;
+    else p_ = make(*o.p_);
     return *this;
   }
-  Boxed& operator=(Boxed&&) noexcept = default;
+  Boxed& operator=(Boxed&& o) noexcept {
+    if (this != &o) {
+      reset();
+      p_ = o.p_;
+      o.p_ = nullptr;
+    }
+    return *this;
+  }
   Boxed& operator=(T v) {
     if (p_) *p_ = std::move(v);
-    else p_ = std::make_unique<T>(std::move(v));
+    else p_ = make(std::move(v));
     return *this;
   }
   bool has_value() const { return p_ != nullptr; }
   explicit operator bool() const { return p_ != nullptr; }
   T& operator*() { return *p_; }
   const T& operator*() const { return *p_; }
-  T* operator->() { return p_.get(); }
-  const T* operator->() const { return p_.get(); }
-  void reset() { p_.reset(); }
+  T* operator->() { return p_; }
+  const T* operator->() const { return p_; }
+  void reset() {
+    if (!p_) return;
+    p_->~T();
+    BoxPool<T>::put(p_);
+    p_ = nullptr;
+  }
 
  private:
-  std::unique_ptr<T> p_;
+  template <class U>
+  static T* make(U&& v) {
+    void* m = BoxPool<T>::get();
+    try {
+      return new (m) T(std::forward<U>(v));
+    } catch (...) {
+      BoxPool<T>::put(m);
+      throw;
+    }
+  }
+  T* p_ = nullptr;
 };
 
 // A tensor a job needs: its bytes (kept by the router), or where they are held; neither: not
