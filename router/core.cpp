@@ -50,27 +50,26 @@ std::optional<Pending> Ctx::take(uint64_t id) {
 
 void Ctx::attach(wire::Message& m, Slot& s, uint32_t index) const {
   SWARM_CHECK(s.known(), "a request's tensor is missing");
-  if (s.bytes) {
-    m.tensors.push_back(wire::share(*s.bytes));
+  if (wire::Tensor* t = s.tensor()) {
+    m.tensors.push_back(wire::share(*t));
     return;
   }
-  const Peer* holder = peers.find(s.held->holder);
+  const Held& h = *s.held();
+  const Peer* holder = peers.find(h.holder);
   wire::TensorRef r;
   r.slot = index;
   r.from = holder ? holder->hello.listen : std::string();
   r.from_key = holder ? holder->key : std::string();
-  r.key = s.held->key;
-  r.part = s.held->part;
-  r.desc = s.held->desc;
+  r.key = h.key;
+  r.part = h.part;
+  r.desc = h.desc;
   m.refs.push_back(std::move(r));
 }
 
 void Ctx::drop(Slot& s) {
-  if (s.held)
-    if (Peer* p = peers.find(s.held->holder)) release(*p, s.held->key);
-  s.bytes.reset();
-  s.held.reset();
-  s.wire_bytes = 0;
+  if (const Held* h = s.held())
+    if (Peer* p = peers.find(h->holder)) release(*p, h->key);
+  s.clear();
 }
 
 Slot Ctx::take_reply_tensor(const PeerId& from, uint64_t pd_id, wire::Message& m, size_t index) {

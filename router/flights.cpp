@@ -170,9 +170,9 @@ bool Flights::repair(Flight& f) {
 void Flights::on_peer_gone(const PeerId& peer) {
   for (auto& [key, f] : flights_) {
     for (Slot& s : f.inputs)
-      if (s.held && s.held->holder == peer) s.held.reset();
+      if (s.held() && s.held()->holder == peer) s.clear();
     for (Slot& s : f.grads)
-      if (s.held && s.held->holder == peer) s.held.reset();
+      if (s.held() && s.held()->holder == peer) s.clear();
   }
 }
 
@@ -290,13 +290,13 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   }
   if (!f.eval && !cfg_.echo) {
     // Bytes through the router count here; bytes fetched peer to peer when the receiver reports them.
-    if (f.stage > 0 && f.inputs[s].bytes) {
-      bytes_act += f.inputs[s].wire_bytes;
-      bytes_relayed += f.inputs[s].wire_bytes;
+    if (f.stage > 0 && f.inputs[s].tensor()) {
+      bytes_act += f.inputs[s].wire_bytes();
+      bytes_relayed += f.inputs[s].wire_bytes();
     }
-    if (f.kind == HopKind::kBackward && f.grads[s].bytes) {
-      bytes_grad += f.grads[s].wire_bytes;
-      bytes_relayed += f.grads[s].wire_bytes;
+    if (f.kind == HopKind::kBackward && f.grads[s].tensor()) {
+      bytes_grad += f.grads[s].wire_bytes();
+      bytes_relayed += f.grads[s].wire_bytes();
     }
   }
   // Deadline: a generous multiple of what this peer should need, within the job's bounds.
@@ -335,19 +335,19 @@ Peer* Flights::ahead_target(Ctx& c, const Flight& f, const Peer& to) {
 }
 
 void Flights::push(Ctx& c, const Flight& f, const Slot& s, Peer& to, wire::Message& m) {
-  if (!s.held || !cfg_.p2p || !to.can_hold() || to.no_push || s.held->holder == to.id) return;
-  if (s.held->key == f.ahead_key && to.id == f.ahead_to) {
+  if (!s.held() || !cfg_.p2p || !to.can_hold() || to.no_push || s.held()->holder == to.id) return;
+  if (s.held()->key == f.ahead_key && to.id == f.ahead_to) {
     m.refs.back().pushed = true;   // on its way since it was made
     return;
   }
-  const Peer* holder = c.peers.find(s.held->holder);
+  const Peer* holder = c.peers.find(s.held()->holder);
   if (!holder) return;
   // The receiver would otherwise learn of the tensor only now and ask its holder for it: a
   // crossing of both links more before the bytes start. A push the receiver does not see in
   // time is fetched as before (docs/protocol.md, "Pushes").
   msg::Push body;
-  body.key = s.held->key;
-  body.part = int32_t(s.held->part);
+  body.key = s.held()->key;
+  body.part = int32_t(s.held()->part);
   body.to = to.hello.listen;
   body.to_key = to.key;
   c.send(holder->id, msg::make(body));
@@ -445,9 +445,9 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   if (r.fetched && !f.eval && !cfg_.echo) {
     // What the receiver fetched peer to peer, at most the tensor's size (its word is only a figure).
     const std::vector<int64_t>& got = *r.fetched;
-    if (got.size() > 0 && f.stage > 0 && f.inputs[s].held) bytes_act += std::min<uint64_t>(uint64_t(got[0]), f.inputs[s].wire_bytes);
-    if (got.size() > 1 && f.kind == HopKind::kBackward && f.grads[s].held)
-      bytes_grad += std::min<uint64_t>(uint64_t(got[1]), f.grads[s].wire_bytes);
+    if (got.size() > 0 && f.stage > 0 && f.inputs[s].held()) bytes_act += std::min<uint64_t>(uint64_t(got[0]), f.inputs[s].wire_bytes());
+    if (got.size() > 1 && f.kind == HopKind::kBackward && f.grads[s].held())
+      bytes_grad += std::min<uint64_t>(uint64_t(got[1]), f.grads[s].wire_bytes());
   }
   // The hop's output: its bytes (kept here), or a reference to the peer that holds it.
   auto take = [&]() { return Ctx::take_reply_tensor(p.id, pd.id, m, 0); };
@@ -563,14 +563,14 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
   Flight& f = it->second;
   Slot* sl = slot_of(f, slot);
   // Only a tensor that was held elsewhere can fail to arrive; any other claim is the peer's error.
-  if (!sl || !sl->held) return on_failed(c, pd, true, -1, why);
+  if (!sl || !sl->held()) return on_failed(c, pd, true, -1, why);
   f.req_id = 0;
   resent_hop(c, f, pd, false, why);
   fetch_failures++;
   // A pushed tensor it had to fetch did not come by push either.
   if (Peer* to = c.peers.find(pd.peer); to && slot < 8 && (pd.pushed >> slot) & 1u) late_pushes(c, *to, 1);
   HopFailure out;
-  Peer* holder = c.peers.find(sl->held->holder);
+  Peer* holder = c.peers.find(sl->held()->holder);
   if (!holder || not_held) {
     // Gone with its holder: made again one stage back when the hop is next dispatched.
     c.drop(*sl);
@@ -584,8 +584,8 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
              " peers could not fetch from " + holder->hello.listen + " (last: " + why + ")");
     }
     msg::Fetch body;
-    body.key = sl->held->key;
-    body.part = int32_t(sl->held->part);
+    body.key = sl->held()->key;
+    body.part = int32_t(sl->held()->part);
     Pending up;
     up.kind = ReqKind::kFetch;
     up.job = cfg_.job;
@@ -593,7 +593,7 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
     up.stage = slot;
     up.peer = holder->id;
     up.deadline_s = c.now + c.deadline_for(*holder, cfg_.forward_cap_s);
-    up.reply_bytes = sl->held->desc.wire_bytes();   // the tensor it uploads
+    up.reply_bytes = sl->held()->desc.wire_bytes();   // the tensor it uploads
     f.upload_req = c.request(up, msg::make(wire::MsgType::kFetch, body));
     uploads++;
   }
@@ -615,8 +615,8 @@ HopOutcome Flights::on_uploaded(Ctx& c, Peer& p, const Pending& pd, wire::Messag
   f.upload_req = 0;
   track(pd.key, f);
   Slot* sl = slot_of(f, pd.stage);
-  if (!sl || !sl->held || sl->held->holder != p.id) return out;  // the hop moved on
-  if (m.tensors.size() != 1 || !wire::same_tensor(m.tensors[0].desc, sl->held->desc)) {
+  if (!sl || !sl->held() || sl->held()->holder != p.id) return out;  // the hop moved on
+  if (m.tensors.size() != 1 || !wire::same_tensor(m.tensors[0].desc, sl->held()->desc)) {
     // Not the tensor it said it made: made again, and held against the holder.
     out.blame = p.id;
     out.why = "relayed a tensor that is not the one it reported making";
@@ -636,7 +636,7 @@ void Flights::on_upload_failed(Ctx& c, const Pending& pd) {
   Flight& f = it->second;
   f.upload_req = 0;
   track(pd.key, f);
-  if (Slot* sl = slot_of(f, pd.stage); sl && sl->held) c.drop(*sl);  // made again one stage back
+  if (Slot* sl = slot_of(f, pd.stage); sl && sl->held()) c.drop(*sl);  // made again one stage back
 }
 
 void Flights::go_back(Ctx& c, Flight& f, int bad) {
@@ -668,7 +668,7 @@ void Flights::check(const Requests& r) const {
       SWARM_CHECK(w != q.end() && w->second == &f, "microbatch " + std::to_string(key) + " waits but is not in its stage's queue");
     }
     SWARM_CHECK(f.stage >= 0 && f.stage < cfg_.stages, "flight at a stage outside the job");
-    SWARM_CHECK(cfg_.tokens || f.inputs[0].bytes.has_value(), "flight without its tokens");
+    SWARM_CHECK(cfg_.tokens || f.inputs[0].tensor() != nullptr, "flight without its tokens");
     SWARM_CHECK(f.req_id == 0 || f.upload_req == 0, "a flight both sent and relaying a tensor");
     if (f.upload_req != 0) {
       const Pending* pd = r.find(f.upload_req);

@@ -129,23 +129,41 @@ class Boxed {
 };
 
 // A tensor a job needs: its bytes (kept by the router), or where they are held; neither: not
-// made yet (or lost with its holder). Filled with set(), emptied with Ctx::drop.
-struct Slot {
-  Boxed<wire::Tensor> bytes;
-  Boxed<Held> held;
-  uint64_t wire_bytes = 0;   // desc().wire_bytes(), kept beside the boxes: a result's accounting reads it without a cache miss
-  bool known() const { return bytes.has_value() || held.has_value(); }
-  const wire::TensorDesc& desc() const { return bytes ? bytes->desc : held->desc; }
+// made yet (or lost with its holder). Filled with set(), emptied with clear() (Ctx::drop also
+// releases what a live holder keeps for it): the two boxes never both hold, and the wire bytes
+// kept beside them always describe what they hold.
+class Slot {
+ public:
+  bool known() const { return bytes_.has_value() || held_.has_value(); }
+  const wire::TensorDesc& desc() const { return bytes_ ? bytes_->desc : held_->desc; }
+  // Its bytes when the router keeps them, else null.
+  wire::Tensor* tensor() { return bytes_ ? &*bytes_ : nullptr; }
+  const wire::Tensor* tensor() const { return bytes_ ? &*bytes_ : nullptr; }
+  // Where a peer keeps it, else null.
+  const Held* held() const { return held_ ? &*held_ : nullptr; }
+  // desc().wire_bytes(), kept beside the boxes: a result's byte accounting reads it without a
+  // cache miss on the box. 0 when empty.
+  uint64_t wire_bytes() const { return wire_bytes_; }
   void set(wire::Tensor t) {
-    wire_bytes = t.desc.wire_bytes();
-    held.reset();
-    bytes = std::move(t);
+    wire_bytes_ = t.desc.wire_bytes();
+    held_.reset();
+    bytes_ = std::move(t);
   }
   void set(Held h) {
-    wire_bytes = h.desc.wire_bytes();
-    bytes.reset();
-    held = std::move(h);
+    wire_bytes_ = h.desc.wire_bytes();
+    bytes_.reset();
+    held_ = std::move(h);
   }
+  void clear() {
+    bytes_.reset();
+    held_.reset();
+    wire_bytes_ = 0;
+  }
+
+ private:
+  Boxed<wire::Tensor> bytes_;
+  Boxed<Held> held_;
+  uint64_t wire_bytes_ = 0;
 };
 
 // Everything a job may touch while it handles one event.

@@ -217,9 +217,9 @@ void Rounds::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
       st.weights[i] = double(counted);
       std::vector<Slot> parts = take_all(size_t(st.shards));
       for (const Slot& sl : parts)
-        if (sl.bytes) {
-          bytes_outer += sl.bytes->desc.wire_bytes();
-          round_bytes_[p.hello.name].sent += sl.bytes->desc.wire_bytes();
+        if (sl.tensor()) {
+          bytes_outer += sl.wire_bytes();
+          round_bytes_[p.hello.name].sent += sl.wire_bytes();
         }
       st.deltas[i] = std::move(parts);
       st.contributed++;
@@ -259,9 +259,9 @@ void Rounds::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) {
         if (far) blames_.emplace_back(who, what);   // past any honest spread: counted against it
       }
       Slot mean = Ctx::take_reply_tensor(p.id, pd.id, m, 0);
-      if (mean.bytes) {
-        bytes_outer += mean.bytes->desc.wire_bytes();
-        round_bytes_[p.hello.name].sent += mean.bytes->desc.wire_bytes();
+      if (mean.tensor()) {
+        bytes_outer += mean.wire_bytes();
+        round_bytes_[p.hello.name].sent += mean.wire_bytes();
       }
       st.means[size_t(j)] = std::move(mean);
       st.reducing.erase(j);
