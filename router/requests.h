@@ -34,22 +34,23 @@ enum class ReqKind {
 const char* req_kind_name(ReqKind k);
 
 struct Pending {
+  // What every reply reads, first (two cache lines); the state transfer's fields after them.
   uint64_t id = 0;         // set by Requests::add
   ReqKind kind = ReqKind::kHop;
+  bool hold = false;       // the reply's tensors stay at the peer (peer to peer)
+  uint8_t pushed = 0;      // hops: the request tensors (bit per slot) whose holder was told to push them
+  int stage = -1;          // the stage the request is about
   uint64_t job = 0;
   uint64_t key = 0;        // the microbatch (hops), else 0
-  int stage = -1;          // the stage the request is about
-  PeerId peer;             // who it was sent to
-  PeerId target;           // kStateRequest: the peer waiting for the state
   double units = 0;        // work units it adds to the peer's queue
   double queued = 0;       // the peer's queue when it was sent
   double sent_s = 0, deadline_s = 0;   // Ctx::request extends the deadline for the bytes to move
+  PeerId peer;             // who it was sent to
   uint64_t reply_bytes = 0;   // the most its reply may carry (a stage's state, a round's delta)
-  bool hold = false;       // the reply's tensors stay at the peer (peer to peer)
-  uint8_t pushed = 0;      // hops: the request tensors (bit per slot) whose holder was told to push them
+  uint64_t round = 0;      // kStateRequest, kStateLoad from a donor: the job's round count when its state was asked for
+  PeerId target;           // kStateRequest: the peer waiting for the state
   PeerId holder;           // kStateLoad: the donor holding the state it references (its request: `key`)
   PeerId donor;            // kStateLoad: the peer whose state it carries ("": a snapshot)
-  uint64_t round = 0;      // kStateRequest, kStateLoad from a donor: the job's round count when its state was asked for
 };
 
 class Requests {
