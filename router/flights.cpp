@@ -335,19 +335,20 @@ Peer* Flights::ahead_target(Ctx& c, const Flight& f, const Peer& to) {
 }
 
 void Flights::push(Ctx& c, const Flight& f, const Slot& s, Peer& to, wire::Message& m) {
-  if (!s.held() || !cfg_.p2p || !to.can_hold() || to.no_push || s.held()->holder == to.id) return;
-  if (s.held()->key == f.ahead_key && to.id == f.ahead_to) {
+  const Held* h = s.held();
+  if (!h || !cfg_.p2p || !to.can_hold() || to.no_push || h->holder == to.id) return;
+  if (h->key == f.ahead_key && to.id == f.ahead_to) {
     m.refs.back().pushed = true;   // on its way since it was made
     return;
   }
-  const Peer* holder = c.peers.find(s.held()->holder);
+  const Peer* holder = c.peers.find(h->holder);
   if (!holder) return;
   // The receiver would otherwise learn of the tensor only now and ask its holder for it: a
   // crossing of both links more before the bytes start. A push the receiver does not see in
   // time is fetched as before (docs/protocol.md, "Pushes").
   msg::Push body;
-  body.key = s.held()->key;
-  body.part = int32_t(s.held()->part);
+  body.key = h->key;
+  body.part = int32_t(h->part);
   body.to = to.hello.listen;
   body.to_key = to.key;
   c.send(holder->id, msg::make(body));
@@ -563,14 +564,15 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
   Flight& f = it->second;
   Slot* sl = slot_of(f, slot);
   // Only a tensor that was held elsewhere can fail to arrive; any other claim is the peer's error.
-  if (!sl || !sl->held()) return on_failed(c, pd, true, -1, why);
+  const Held* held = sl ? sl->held() : nullptr;
+  if (!held) return on_failed(c, pd, true, -1, why);
   f.req_id = 0;
   resent_hop(c, f, pd, false, why);
   fetch_failures++;
   // A pushed tensor it had to fetch did not come by push either.
   if (Peer* to = c.peers.find(pd.peer); to && slot < 8 && (pd.pushed >> slot) & 1u) late_pushes(c, *to, 1);
   HopFailure out;
-  Peer* holder = c.peers.find(sl->held()->holder);
+  Peer* holder = c.peers.find(held->holder);
   if (!holder || not_held) {
     // Gone with its holder: made again one stage back when the hop is next dispatched.
     c.drop(*sl);
@@ -584,8 +586,8 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
              " peers could not fetch from " + holder->hello.listen + " (last: " + why + ")");
     }
     msg::Fetch body;
-    body.key = sl->held()->key;
-    body.part = int32_t(sl->held()->part);
+    body.key = held->key;
+    body.part = int32_t(held->part);
     Pending up;
     up.kind = ReqKind::kFetch;
     up.job = cfg_.job;
@@ -593,7 +595,7 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
     up.stage = slot;
     up.peer = holder->id;
     up.deadline_s = c.now + c.deadline_for(*holder, cfg_.forward_cap_s);
-    up.reply_bytes = sl->held()->desc.wire_bytes();   // the tensor it uploads
+    up.reply_bytes = held->desc.wire_bytes();   // the tensor it uploads
     f.upload_req = c.request(up, msg::make(wire::MsgType::kFetch, body));
     uploads++;
   }
