@@ -168,11 +168,13 @@ bool Flights::repair(Flight& f) {
 }
 
 void Flights::on_peer_gone(const PeerId& peer) {
+  auto forget = [&](std::vector<Slot>& slots) {
+    for (Slot& s : slots)
+      if (const Held* h = s.held(); h && h->holder == peer) s.clear();
+  };
   for (auto& [key, f] : flights_) {
-    for (Slot& s : f.inputs)
-      if (s.held() && s.held()->holder == peer) s.clear();
-    for (Slot& s : f.grads)
-      if (s.held() && s.held()->holder == peer) s.clear();
+    forget(f.inputs);
+    forget(f.grads);
   }
 }
 
