@@ -18,13 +18,6 @@ constexpr uint64_t kSmallMessage = 128;    // a FETCH request on the wire [bytes
 
 }  // namespace
 
-int World::peer_of(const std::string& routing_id) const {
-  auto it = by_id.find(routing_id);
-  if (it == by_id.end()) return -1;
-  const SimPeer& p = peers[size_t(it->second)];
-  return p.id == routing_id && p.alive ? p.index : -1;
-}
-
 void World::hello(int i) {
   SimPeer& p = peers[size_t(i)];
   const PeerGroup& g = sc.groups[size_t(p.group)];
@@ -50,7 +43,6 @@ void World::join(int i) {
   if (p.alive) return;
   p.generation++;
   p.id = "p-" + p.name + (p.generation > 1 ? "." + std::to_string(p.generation) : "");
-  by_id[p.id] = i;
   p.alive = true;
   p.welcomed = false;
   p.book = StageBook{};
@@ -77,13 +69,13 @@ void World::join(int i) {
   group_alive[size_t(p.group)]++;
   hello(i);
   // Heartbeats at the router's pace, from a phase of its own.
-  schedule(now + rng.uniform(0.5, 1.0) * sc.heartbeat_ms / 1000.0, Ev::kHeartbeat, i);
+  at(peers_side, now + rng.uniform(0.5, 1.0) * sc.heartbeat_ms / 1000.0, Ev::kHeartbeat, i);
   schedule_crash(i);
 }
 
 void World::schedule_crash(int i) {
   if (!(sc.faults.crash_per_hour > 0)) return;
-  schedule(now + rng.exponential(3600.0 / sc.faults.crash_per_hour), Ev::kCrash, i);
+  at(peers_side, now + rng.exponential(3600.0 / sc.faults.crash_per_hour), Ev::kCrash, i);
 }
 
 void World::crash(int i, const std::string& why, double rejoin_after_s) {
@@ -97,7 +89,7 @@ void World::crash(int i, const std::string& why, double rejoin_after_s) {
   p.alive = false;
   p.session++;            // its queued work, its timers and what it was sending die with it
   p.book = StageBook{};   // so does what it held for others
-  if (rejoin_after_s >= 0) schedule(now + rejoin_after_s, Ev::kJoin, i);
+  if (rejoin_after_s >= 0) at(peers_side, now + rejoin_after_s, Ev::kJoin, i);
 }
 
 void World::heartbeat(int i) {
@@ -105,17 +97,17 @@ void World::heartbeat(int i) {
   if (!p.alive) return;
   const double beat_s = sc.heartbeat_ms / 1000.0;
   if (now < p.stall_until || !p.welcomed) {   // stopped: no heartbeat; not welcomed: HELLO again
-    schedule(now + beat_s, Ev::kHeartbeat, i);
+    at(peers_side, now + beat_s, Ev::kHeartbeat, i);
     if (now >= p.stall_until && now - p.last_hello_s >= kHelloRetryS) hello(i);
     return;
   }
   // Not while it sent the router something within the last beat, as a stage server.
   if (const double due = timing::next_heartbeat_s(p.last_beat_s, p.last_sent_s, beat_s, sc.liveness); now < due) {
-    schedule(due, Ev::kHeartbeat, i);
+    at(peers_side, due, Ev::kHeartbeat, i);
     return;
   }
   p.last_beat_s = now;
-  schedule(now + beat_s, Ev::kHeartbeat, i);
+  at(peers_side, now + beat_s, Ev::kHeartbeat, i);
   msg::Heartbeat hb;
   hb.stage = p.book.stage;
   hb.job_id = p.book.job;
@@ -158,8 +150,10 @@ void World::peer_receives(int i, wire::Message m) {
   }
   // A request: its references are fetched from their holders first (its I/O thread does that
   // while the compute thread works), then it queues for the compute thread.
-  const uint32_t slot = stash(std::move(m));
-  Slot& s = slots[slot];
+  Slot req;
+  req.m = std::move(m);
+  const uint32_t slot = peers_side.slots.put(std::move(req));
+  Slot& s = peers_side.slots[slot];
   s.fetched.assign(s.m.tensors.size() + s.m.refs.size(), 0);
   double whole = now, failed_at = 1e300;
   // As PeerLink waits: --fetch-timeout-s, or less where the request asks.
@@ -209,14 +203,13 @@ void World::peer_receives(int i, wire::Message m) {
       whole = std::max(whole, done);
     }
   }
-  schedule(s.failure ? failed_at : whole, Ev::kWhole, i, slot);
+  at(peers_side, s.failure ? failed_at : whole, Ev::kWhole, i, slot);
 }
 
 void World::push(int i, const wire::Message& m) {
   SimPeer& h = peers[size_t(i)];
   const msg::Push pu = msg::read<msg::Push>(m);
-  const double asked = transfer(router_host, h.host, message_bytes(m), now);
-  push_from(h, pu.key, size_t(pu.part), pu.to, std::max(asked, h.stall_until));   // a stopped holder pushes when it runs again
+  push_from(h, pu.key, size_t(pu.part), pu.to, std::max(now, h.stall_until));   // a stopped holder pushes when it runs again
 }
 
 void World::push_from(SimPeer& h, uint64_t key, size_t part, const std::string& to_addr, double at) {
@@ -238,9 +231,9 @@ void World::push_from(SimPeer& h, uint64_t key, size_t part, const std::string& 
 
 void World::request_whole(int i, uint32_t slot) {
   SimPeer& p = peers[size_t(i)];
-  Slot& s = slots[slot];
+  Slot& s = peers_side.slots[slot];
   if (s.failure) {
-    to_router(i, *release_slot(slot).failure, now + p.dev.overhead_ms / 1000.0);
+    to_router(i, *peers_side.slots.take(slot).failure, now + p.dev.overhead_ms / 1000.0);
     return;
   }
   // What the work costs on this device, jittered and slowed.
@@ -265,16 +258,16 @@ void World::request_whole(int i, uint32_t slot) {
   s.compute_s = request_seconds(p.dev, costs, m.type, stage, cached, values, members) * rng.jitter(p.dev.jitter) * p.slow;
   const double start = std::max(now, p.busy_until);
   p.busy_until = start + s.compute_s;
-  schedule(p.busy_until, Ev::kComputed, i, slot);
+  at(peers_side, p.busy_until, Ev::kComputed, i, slot);
 }
 
 void World::computed(int i, uint32_t slot) {
   SimPeer& p = peers[size_t(i)];
   if (now < p.stall_until) {   // stopped mid-work: it finishes when it runs again
-    schedule(p.stall_until, Ev::kComputed, i, slot);
+    at(peers_side, p.stall_until, Ev::kComputed, i, slot);
     return;
   }
-  Slot s = release_slot(slot);
+  Slot s = peers_side.slots.take(slot);
   win.group_busy_s[size_t(p.group)] += s.compute_s;
   const bool cached = has_graph(p.book, s.m);
   const double units = work_units(s.m.type, cached);
@@ -294,8 +287,7 @@ void World::computed(int i, uint32_t slot) {
   if (!rep) return;
   if (p.corrupt_p > 0 && !rep->tensors.empty() && rng.chance(p.corrupt_p)) {
     corrupt_sent++;
-    const double at = transfer(p.host, router_host, message_bytes(*rep), now);
-    schedule(at, Ev::kCorrupt, i, stash(std::move(*rep)));
+    to_router(i, std::move(*rep), now, true);
     return;
   }
   to_router(i, std::move(*rep), now);
@@ -308,10 +300,6 @@ void World::fault(size_t index) {
   auto report = [&](const char* kind) {
     line({{"event", "fault"}, {"t_s", now}, {"kind", kind}, {"peers", names}});
   };
-  if (f.kind == K::kRestartRouter) {
-    if (router_alive) router_down(f.for_s);
-    return report("restart_router");
-  }
   // The peers it hits: every live peer of the stage for kill_stage, else `peers` of the live
   // ones (of its group and stage, when given), drawn by the seed.
   std::vector<int> cands;
@@ -341,7 +329,7 @@ void World::fault(size_t index) {
         break;
       case K::kRestartRouter: break;
     }
-    schedule(now + f.for_s, Ev::kFaultEnd, i);
+    at(peers_side, now + f.for_s, Ev::kFaultEnd, i);
   }
   static const char* kinds[] = {"stall", "slow", "corrupt", "lie", "kill_stage", "crash", "restart_router"};
   report(kinds[int(f.kind)]);

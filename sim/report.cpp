@@ -58,31 +58,32 @@ void World::ideal_changed() {
 }
 
 void World::note_log(const router::Log& l) {
+  // The router's side: what it logged, read as a person reads the log.
   log_counts[level_name(l.level)]++;
-  if (sc.trace_logs) line({{"event", "log"}, {"t_s", now}, {"level", level_name(l.level)}, {"text", l.text}});
+  if (sc.trace_logs) router_line({{"event", "log"}, {"t_s", rnow}, {"level", level_name(l.level)}, {"text", l.text}});
   const std::string& t = l.text;
   if (t.rfind("rebalance: moving peer", 0) == 0) {
     moves++;
     pause_check = true;
-    line({{"event", "move"}, {"t_s", now}, {"text", t.substr(11)}});
+    router_line({{"event", "move"}, {"t_s", rnow}, {"text", t.substr(11)}});
   } else if (t.find(" quarantined (") != std::string::npos) {
     quarantined++;
     pause_check = true;
-    line({{"event", "quarantine"}, {"t_s", now}, {"text", t}});
+    router_line({{"event", "quarantine"}, {"t_s", rnow}, {"text", t}});
   } else if (t.find(" is gone: ") != std::string::npos) {
     pause_check = true;
   } else if (t.find(" restarts from its snapshot") != std::string::npos) {
-    line({{"event", "stage_restore"}, {"t_s", now}, {"text", t}});
+    router_line({{"event", "stage_restore"}, {"t_s", rnow}, {"text", t}});
   } else if (job_id && t.rfind("job " + std::to_string(job_id) + " ", 0) == 0) {
     const std::string rest = t.substr(5 + std::to_string(job_id).size());
     if (rest == "running") {
       job_running = true;
-      line({{"event", "running"}, {"t_s", now}});
+      router_line({{"event", "running"}, {"t_s", rnow}});
     }
     for (const char* end : {"done", "failed", "cancelled"})
       if (rest.rfind(end, 0) == 0) {
         job_ended = true;
-        line({{"event", "job_end"}, {"t_s", now}, {"text", t}});
+        router_line({{"event", "job_end"}, {"t_s", rnow}, {"text", t}});
       }
   }
 }
@@ -94,61 +95,113 @@ void World::check_pause() {
   for (int s = 0; s < sc.job.partition.stages; ++s)
     if (!core->registry().any_ready(job_id, s)) empty.push_back(s);
   if (!empty.empty() && paused_since < 0) {
-    paused_since = now;
+    paused_since = rnow;
     pauses++;
-    line({{"event", "paused"}, {"t_s", now}, {"stages", empty}});
+    router_line({{"event", "paused"}, {"t_s", rnow}, {"stages", empty}});
   } else if (empty.empty() && paused_since >= 0) {
-    paused_total_s += now - paused_since;
-    line({{"event", "resumed"}, {"t_s", now}, {"after_s", now - paused_since}});
+    paused_total_s += rnow - paused_since;
+    router_line({{"event", "resumed"}, {"t_s", rnow}, {"after_s", rnow - paused_since}});
     paused_since = -1;
   }
-  if (paused_since >= 0) schedule(now + 0.25, Ev::kPauseCheck);
+  if (paused_since >= 0) at(router_side, rnow + 0.25, Ev::kPauseCheck);
 }
 
-void World::sample() {
-  ideal_changed();
-  const double dt = now - win.t0;
-  nlohmann::json st = router_alive && job_id ? core->status_json(job_id, now) : nlohmann::json();
+nlohmann::json World::router_half() {
+  // The router's side at the sample's time: the job's counters, the microbatches completed since
+  // the last sample, its link.
+  nlohmann::json st = router_alive && job_id ? core->status_json(job_id, rnow) : nlohmann::json();
   const uint64_t completed = count(st, "microbatches", "completed");
-  const double tokens = completed > win.completed0 ? double(completed - win.completed0) * double(costs.B * costs.T) : 0.0;
-  const double tps = dt > 0 ? tokens / dt : 0.0, ideal = dt > 0 ? win.ideal_integral / dt : 0.0;
+  nlohmann::json h{{"completed", completed > completed0 ? completed - completed0 : 0},
+                   {"router", router_alive ? "up" : "down"},
+                   {"moves", moves},
+                   {"router_link", {{"up_bytes", router_host.up.bytes}, {"down_bytes", router_host.down.bytes}}}};
+  completed0 = completed;
+  if (st.is_object() && st.contains("state")) {
+    last_state = st["state"].get<std::string>();
+    last_reason = st.value("reason", std::string());
+    h["status"] = std::move(st);
+  }
+  return h;
+}
+
+void World::peers_half() {
+  ideal_changed();
+  win.t1 = now;
+  for (const SimPeer& p : peers) win.alive += p.alive;
+  halves.push_back(std::move(win));
+  open_window();
+}
+
+void World::sample(const nlohmann::json& r) {
+  Window w = std::move(halves.front());
+  halves.pop_front();
+  const double dt = w.t1 - w.t0;
+  const double tokens = double(r["completed"].get<uint64_t>()) * double(costs.B * costs.T);
+  const double tps = dt > 0 ? tokens / dt : 0.0, ideal = dt > 0 ? w.ideal_integral / dt : 0.0;
   // The live peers' FLOPs over the interval: what the ideal bound turns into tokens.
-  const double capacity = win.ideal_integral * 3.0 * costs.fwd_flops_sum / double(costs.B * costs.T);
-  int alive = 0;
-  for (const SimPeer& p : peers) alive += p.alive;
+  const double capacity = w.ideal_integral * 3.0 * costs.fwd_flops_sum / double(costs.B * costs.T);
   nlohmann::json s{{"event", "sample"},
-                   {"t_s", now},
+                   {"t_s", w.t1},
                    {"window_s", dt},
                    {"tokens_per_s", tps},
                    {"ideal_tokens_per_s", ideal},
                    {"vs_ideal", ideal > 0 ? tps / ideal : 0.0},
-                   {"hop_share", capacity > 0 ? win.hop_flops / capacity : 0.0},
-                   {"recompute_share", capacity > 0 ? win.recompute_flops / capacity : 0.0},
-                   {"busy", busy_by_group(win.group_alive_s, win.group_busy_s)},
-                   {"router", router_alive ? "up" : "down"},
-                   {"peers_alive", alive}};
-  if (st.is_object() && st.contains("state")) {
+                   {"hop_share", capacity > 0 ? w.hop_flops / capacity : 0.0},
+                   {"recompute_share", capacity > 0 ? w.recompute_flops / capacity : 0.0},
+                   {"busy", busy_by_group(w.group_alive_s, w.group_busy_s)},
+                   {"router", r["router"]},
+                   {"peers_alive", w.alive}};
+  if (r.contains("status")) {
+    const nlohmann::json& st = r["status"];
     s["state"] = st["state"];
     s["reason"] = st.value("reason", std::string());
     s["step"] = st.value("step", 0);
     s["peers_per_stage"] = st["peers_per_stage"];
     s["microbatches"] = st["microbatches"];
     s["rounds"] = st.value("rounds", 0);
-    s["moves"] = moves;
-    last_state = st["state"].get<std::string>();
-    last_reason = s["reason"].get<std::string>();
+    s["moves"] = r["moves"];
   }
-  s["router_link"] = {{"up_bytes", router_host.up.bytes}, {"down_bytes", router_host.down.bytes}};
+  s["router_link"] = r["router_link"];
   line(s);
   samples.push_back(s);
-  sampled.push_back(std::move(win));
-  open_window(completed);
+  sampled.push_back(std::move(w));
 }
 
-void World::open_window(uint64_t completed) {
+void World::finish_samples() {
+  // After both sides stopped. What the router sent by the end is still on its way to the peers'
+  // side: its halves of samples and its trace lines are written now, in order.
+  if (!peers_side.done) {
+    drain(peers_side);
+    while (!peers_side.queue.empty()) {
+      const Event e = peers_side.queue.top();
+      peers_side.queue.pop();
+      if (e.kind == Ev::kRouterHalf) sample(*peers_side.slots.take(e.slot).j);
+      else if (e.kind == Ev::kLine) line(std::move(*peers_side.slots.take(e.slot).j));
+    }
+  }
+  // A sample the peers took after the job ended (within the lookahead of its end) has no router
+  // half: its window joins the last one.
+  while (!halves.empty()) {
+    Window& h = halves.back();
+    win.t0 = h.t0;
+    win.ideal_integral += h.ideal_integral;
+    win.hop_flops += h.hop_flops;
+    win.recompute_flops += h.recompute_flops;
+    for (size_t g = 0; g < win.group_alive_s.size(); ++g) {
+      win.group_alive_s[g] += h.group_alive_s[g];
+      win.group_busy_s[g] += h.group_busy_s[g];
+    }
+    halves.pop_back();
+  }
+  if (now > win.t0) {
+    peers_half();
+    sample(router_half());
+  }
+}
+
+void World::open_window() {
   win = Window{};
   win.t0 = now;
-  win.completed0 = completed;
   win.group_alive_s.assign(sc.groups.size(), 0.0);
   win.group_busy_s.assign(sc.groups.size(), 0.0);
   ideal_mark_s = now;

@@ -1,5 +1,5 @@
 // simulator.h: `swarm sim`: the router's real core (router/core.h) against simulated stage
-// servers, in virtual time, in one process (docs/scale.md).
+// servers, in virtual time, in one process (docs/scale.md), on up to two threads.
 //
 // Defines swarm::sim::SimOptions, SimResult and `simulate`. The core is the one swarm-router
 // runs; around it the simulator plays the world: stage servers that answer with tensors of the
@@ -29,6 +29,10 @@ struct SimOptions {
   std::optional<uint64_t> seed;                            // overrides the scenario's seed
   std::function<void(const nlohmann::json&)> on_line;      // every trace line, as it is made
   bool measure_cpu = true;                                 // time each call into the core (a monotonic clock)
+  // The router's side and the peers' side on two threads (2) or interleaved on one (1); 0: two
+  // where the links' latencies allow it (a message between the sides takes time) and the machine
+  // has two cores. The trace is the same either way.
+  int threads = 0;
 };
 
 struct SimResult {

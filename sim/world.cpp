@@ -1,15 +1,31 @@
-// world.cpp: the simulator's event loop and the router's side of the world (sim/simulator.h):
-// the core and its restarts, the router's link, its disk (in memory), the client that submits the
-// job, and `simulate`.
+// world.cpp: the simulator's event loop, on one thread or two, and the router's side of the world
+// (sim/simulator.h): the core and its restarts, the router's link, its disk (in memory), the
+// client that submits the job, and `simulate`.
+//
+// Two sides (sim/world.h): the router's and the peers'. Each takes its own events in order; what
+// one does to the other is a cross-event that lands there at least `lookahead_in` later, because
+// it crosses a link. On two threads a side takes its next event at t only while the other can no
+// longer send it anything before t: the other publishes a bound (no event of its own before it)
+// and anything it sends lands at least the lookahead after that bound. Cross-events are ordered
+// by (time, Lamport sequence, side), all three fixed by the sender, so each side takes the same
+// events in the same order whether the sides run on two threads or interleave on one, and the
+// trace (written by the peers' side alone) is the same byte for byte.
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <thread>
 
+#include "runtime/errors.h"
 #include "sim/world.h"
 
 namespace swarm::sim {
 
 namespace {
+
+constexpr double kNever = std::numeric_limits<double>::infinity();
 
 Host host_of(const LinkSpec& l) {
   Host h;
@@ -19,17 +35,47 @@ Host host_of(const LinkSpec& l) {
   return h;
 }
 
+void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 }  // namespace
 
+uint32_t SlotPool::put(Slot s) {
+  uint32_t i;
+  if (!free_.empty()) {
+    i = free_.back();
+    free_.pop_back();
+    slots_[i] = std::move(s);
+  } else {
+    i = uint32_t(slots_.size());
+    slots_.push_back(std::move(s));
+  }
+  return i;
+}
+
+Slot SlotPool::take(uint32_t i) {
+  Slot s = std::move(slots_[i]);
+  slots_[i] = Slot{};
+  free_.push_back(i);
+  return s;
+}
+
 World::World(const Scenario& s, const SimOptions& o) : sc(s), opt(o), rng(o.seed.value_or(s.seed)), costs(job_costs(s.job)) {
+  router_side.id = SideId::kRouter;
+  peers_side.id = SideId::kPeers;
   core_opt.heartbeat_ms = s.heartbeat_ms;
   core_opt.liveness = s.liveness;
   if (s.state_dir) core_opt.state_dir = "/sim/state";
   core = std::make_unique<router::RouterCore>(core_opt);
   router_host = host_of(s.router_link);
   end_s = s.duration_s;
+  double least_latency = kNever;
   for (size_t g = 0; g < s.groups.size(); ++g) {
     const PeerGroup& grp = s.groups[g];
+    if (grp.count > 0) least_latency = std::min(least_latency, grp.link.latency_s);
     for (int i = 0; i < grp.count; ++i) {
       SimPeer p;
       p.index = int(peers.size());
@@ -44,75 +90,144 @@ World::World(const Scenario& s, const SimOptions& o) : sc(s), opt(o), rng(o.seed
   }
   for (const SimPeer& p : peers)
     if (!p.listen.empty()) by_listen[p.listen] = p.index;
+  // What the peers send reaches the router at least their link's latency later; what the router
+  // sends reaches a peer at least its own.
+  router_side.lookahead_in = peers.empty() ? kNever : least_latency;
+  peers_side.lookahead_in = router_host.latency_s;
   group_alive.assign(s.groups.size(), 0);
-  open_window(0);
+  open_window();
 }
 
-void World::schedule(double t, Ev kind, int peer, uint32_t slot) {
+Side& World::other(Side& s) { return s.id == SideId::kRouter ? peers_side : router_side; }
+
+void World::at(Side& s, double t, Ev kind, int peer, uint32_t slot) {
   Event e;
   e.t = t;
-  e.seq = seq++;
+  e.seq = ++s.clock;
+  e.from = s.id;
   e.kind = kind;
   e.peer = peer;
-  e.session = peer >= 0 ? peers[size_t(peer)].session : 0;
-  e.epoch = router_session;
+  e.session = s.id == SideId::kPeers ? (peer >= 0 ? peers[size_t(peer)].session : 0) : router_session;
   e.slot = slot;
-  queue.push(e);
+  s.queue.push(e);
 }
 
-uint32_t World::stash(wire::Message m) {
-  uint32_t i;
-  if (!free_slots.empty()) {
-    i = free_slots.back();
-    free_slots.pop_back();
-  } else {
-    i = uint32_t(slots.size());
-    slots.emplace_back();
+void World::cross(Side& from, double t, Ev kind, int peer, Slot slot) {
+  Side& to = other(from);
+  SWARM_CHECK(t >= from.now + to.lookahead_in, "a cross-event lands within the lookahead (" + std::to_string(t) + " < " +
+                                                    std::to_string(from.now) + " + " + std::to_string(to.lookahead_in) + ")");
+  Event e;
+  e.t = t;
+  e.seq = ++from.clock;
+  e.from = from.id;
+  e.kind = kind;
+  e.peer = peer;
+  if (threaded) from.outbox.emplace_back(e, std::move(slot));   // handed over when this side next publishes its bound
+  else deliver(to, e, std::move(slot));
+}
+
+void World::deliver(Side& to, Event e, Slot slot) {
+  if (to.done) return;
+  e.slot = to.slots.put(std::move(slot));
+  to.queue.push(e);
+}
+
+void World::publish(Side& s, double bound) {
+  if (!s.outbox.empty()) {
+    Side& to = other(s);
+    std::lock_guard<std::mutex> lock(to.mu);
+    if (to.inbox.empty()) to.inbox.swap(s.outbox);
+    else std::move(s.outbox.begin(), s.outbox.end(), std::back_inserter(to.inbox));
+    to.arrived.store(true, std::memory_order_release);
   }
-  slots[i] = Slot{};
-  slots[i].m = std::move(m);
-  return i;
+  s.outbox.clear();
+  s.bound.store(bound, std::memory_order_release);
 }
 
-Slot World::release_slot(uint32_t i) {
-  Slot s = std::move(slots[i]);
-  slots[i] = Slot{};
-  free_slots.push_back(i);
-  return s;
-}
-
-double World::transfer(Host& a, Host& b, uint64_t bytes, double t) {
-  const double dur = double(bytes) * 8.0 / std::min(a.up.bps, b.down.bps);
-  if (bytes <= kControlBytes) {
-    // A control message (HELLO, heartbeat, a result's references) travels on its own connection,
-    // its packets interleaved with bulk transfers: it is not queued behind them.
-    a.up.bytes += bytes;
-    b.down.bytes += bytes;
-    return t + dur + a.latency_s + b.latency_s;
+void World::drain(Side& s) {
+  if (!s.arrived.load(std::memory_order_acquire)) return;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.received.swap(s.inbox);
+    s.arrived.store(false, std::memory_order_relaxed);
   }
-  // Bulk: both ends carry it at the slower one's rate, sharing each with what it carries already.
-  const double end = std::max(a.up.carry(t, dur), b.down.carry(t, dur));
-  a.up.bytes += bytes;
-  b.down.bytes += bytes;
-  return end + a.latency_s + b.latency_s;
+  for (auto& [e, slot] : s.received) deliver(s, e, std::move(slot));
+  s.received.clear();
 }
 
-double Pipe::carry(double t, double dur) {
-  ends.erase(std::remove_if(ends.begin(), ends.end(), [t](double e) { return e <= t; }), ends.end());
-  const double fair = t + double(ends.size() + 1) * dur;
-  const double after_queue = std::max(t, free_s) + dur;
-  free_s = after_queue;
-  busy_s += dur;
-  const double end = std::min(fair, after_queue);
-  ends.push_back(end);
-  return end;
+void World::step(Side& s) {
+  const Event e = s.queue.top();
+  s.queue.pop();
+  s.now = e.t;
+  s.clock = std::max(s.clock, e.seq);
+  s.events++;
+  if (s.id == SideId::kRouter) router_event(e);
+  else peers_event(e);
 }
+
+void World::run_interleaved() {
+  for (;;) {
+    Side* next = nullptr;
+    for (Side* s : {&router_side, &peers_side})
+      if (!s->done && !s->queue.empty() && (!next || next->queue.top() > s->queue.top())) next = s;
+    if (!next || next->queue.top().t > end_s) return;
+    step(*next);
+  }
+}
+
+void World::run_side(Side& s) {
+  Side& o = other(s);
+  try {
+    int idle = 0;
+    std::chrono::steady_clock::time_point waiting;
+    while (!failed.load(std::memory_order_relaxed)) {
+      const double theirs = o.bound.load(std::memory_order_acquire);
+      drain(s);
+      // Whatever the other side sends from now on lands at `limit` or later.
+      const double limit = theirs + s.lookahead_in;
+      for (int taken = 0;; ++taken) {
+        const double head = s.done || s.queue.empty() ? kNever : s.queue.top().t;
+        if (s.done || (head > end_s && limit > end_s)) {
+          publish(s, kNever);
+          return;
+        }
+        if (!(head < limit && head <= end_s)) {
+          publish(s, std::min(head, limit));
+          break;
+        }
+        // The other side waits on this bound only when it has caught up: publishing it (and
+        // handing over what was sent) every few events is enough.
+        if (taken % 16 == 0) publish(s, head);
+        if (idle) s.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting).count();
+        idle = 0;
+        step(s);
+      }
+      if (!idle) waiting = std::chrono::steady_clock::now();
+      if (++idle > 20000) std::this_thread::yield();   // about a millisecond of spinning first
+      else relax();
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(error_mu);
+    if (!error) error = std::current_exception();
+    failed = true;
+  }
+  s.bound.store(kNever, std::memory_order_release);
+}
+
+void World::run_threads() {
+  std::thread router_thread([this] { run_side(router_side); });
+  run_side(peers_side);
+  router_thread.join();
+  if (error) std::rethrow_exception(error);
+}
+
+// ---- The router's side ----
 
 template <class F>
 void World::call(const char* what, F&& f) {
   // A monotonic clock (30 ns a read here; the thread's CPU clock is a 1.4 us system call). The
-  // process has one thread, so this is the core's CPU time unless the OS preempts it, which
-  // only makes the figure worse.
+  // core has a thread of its own, so this is its CPU time unless the OS preempts it, which only
+  // makes the figure worse.
   const auto t0 = opt.measure_cpu ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
   router::Actions a = f();
   if (opt.measure_cpu) {
@@ -126,6 +241,28 @@ void World::call(const char* what, F&& f) {
   take(std::move(a));
 }
 
+void World::router_line(nlohmann::json j) {
+  Slot s;
+  s.j = std::make_unique<nlohmann::json>(std::move(j));
+  cross(router_side, rnow + peers_side.lookahead_in, Ev::kLine, -1, std::move(s));
+}
+
+void World::send_to_peer(int p, const router::PeerId& to, wire::Message m) {
+  // The router's uplink here; the peer's downlink on its side (kFromRouterBulk) or, for a control
+  // message that queues behind nothing, no work at all.
+  const Host& h = peers[size_t(p)].host;   // its latency and rates, which never change
+  Slot s;
+  s.bytes = message_bytes(m);
+  s.m = std::move(m);
+  s.id = to;
+  const double dur = double(s.bytes) * 8.0 / std::min(router_host.up.bps, h.down.bps);
+  router_host.up.bytes += s.bytes;
+  if (s.bytes <= kControlBytes) return cross(router_side, rnow + dur + router_host.latency_s + h.latency_s, Ev::kToPeer, p, std::move(s));
+  s.up_end = router_host.up.carry(rnow, dur) + router_host.latency_s;
+  s.dur = dur;
+  cross(router_side, rnow + router_host.latency_s, Ev::kFromRouterBulk, p, std::move(s));
+}
+
 void World::take(router::Actions actions) {
   std::vector<router::PeerId> unreachable;
   for (router::Action& a : actions) {
@@ -134,29 +271,20 @@ void World::take(router::Actions actions) {
         // The client: the job's id, or why it was refused.
         if (s->msg.type == wire::MsgType::kSubmitted) {
           job_id = msg::read<msg::Submitted>(s->msg).job_id;
-          line({{"event", "submitted"}, {"t_s", now}, {"job_id", job_id}});
+          router_line({{"event", "submitted"}, {"t_s", rnow}, {"job_id", job_id}});
         } else if (s->msg.type == wire::MsgType::kError) {
           submit_error = msg::read<msg::Error>(s->msg).message;
         }
         continue;
       }
-      const int p = peer_of(s->to);
-      if (p < 0 || !peers[size_t(p)].alive) {
-        unreachable.push_back(s->to);   // its process is gone: the send fails (ROUTER_MANDATORY)
+      auto it = peer_by_id.find(s->to);
+      if (it == peer_by_id.end()) {
+        unreachable.push_back(s->to);   // no process ever said HELLO with that id
         continue;
       }
-      if (s->msg.type == wire::MsgType::kHeartbeat) {
-        heartbeats_out++;   // the router's liveness beat: nothing for a simulated peer to do
-        continue;
-      }
-      msgs_from_router++;
-      if (s->msg.type == wire::MsgType::kPush) {
-        push(p, s->msg);
-        continue;
-      }
-      SimPeer& peer = peers[size_t(p)];
-      const double at = transfer(router_host, peer.host, message_bytes(s->msg), now);
-      schedule(at, Ev::kToPeer, p, stash(std::move(s->msg)));
+      if (s->msg.type == wire::MsgType::kHeartbeat) heartbeats_out++;   // the router's liveness beat: a dead peer's send fails
+      else msgs_from_router++;
+      send_to_peer(it->second, s->to, std::move(s->msg));
     } else if (auto* l = std::get_if<router::Log>(&a)) {
       note_log(*l);
     } else if (auto* f = std::get_if<router::WriteFile>(&a)) {
@@ -189,7 +317,7 @@ void World::take(router::Actions actions) {
         r.checkpoint = std::move(lc);
       }
       disk_loads.push_back(std::move(r));
-      schedule(now + 0.05, Ev::kDisk, -1, uint32_t(disk_loads.size() - 1) << 1);
+      at(router_side, rnow + 0.05, Ev::kDisk, -1, uint32_t(disk_loads.size() - 1) << 1);
     } else if (auto* w = std::get_if<router::WriteCheckpoint>(&a)) {
       auto& kept = checkpoints[w->dir];
       kept.push_back(w->checkpoint);
@@ -197,42 +325,36 @@ void World::take(router::Actions actions) {
       uint64_t bytes = 0;
       for (const auto& st : w->checkpoint->stages) bytes += 4 * (st.theta_g.size() + st.momentum.size() + st.theta.size() + st.adam_m.size() + st.adam_v.size());
       disk_writes.push_back(router::CheckpointWritten{w->job, w->checkpoint->step, w->dir + "/step-" + std::to_string(w->checkpoint->step), ""});
-      schedule(now + 0.01 + double(bytes) / 1e9, Ev::kDisk, -1, (uint32_t(disk_writes.size() - 1) << 1) | 1);
+      at(router_side, rnow + 0.01 + double(bytes) / 1e9, Ev::kDisk, -1, (uint32_t(disk_writes.size() - 1) << 1) | 1);
     }
   }
   for (const router::PeerId& id : unreachable)
-    if (router_alive && core->registry().find(id)) call("unreachable", [&] { return core->on_unreachable(id, now); });
+    if (router_alive && core->registry().find(id)) call("unreachable", [&] { return core->on_unreachable(id, rnow); });
 }
 
-void World::to_router(int p, wire::Message m, double depart_s) {
-  SimPeer& peer = peers[size_t(p)];
-  peer.last_sent_s = std::max(peer.last_sent_s, depart_s);
-  const double at = transfer(peer.host, router_host, message_bytes(m), depart_s);
-  schedule(at, Ev::kToRouter, p, stash(std::move(m)));
-}
-
-void World::core_message(int p, wire::Message m) {
-  const router::PeerId& id = peers[size_t(p)].id;
+void World::core_message(int p, const std::string& id, wire::Message m) {
   msgs_to_router++;
   if (m.type == wire::MsgType::kHeartbeat) heartbeats_in++;
+  if (m.type == wire::MsgType::kHello) peer_by_id[id] = p;   // where the router's answers go
   // As the server: nothing but HELLO from a stranger is even decoded.
   if (!core->accepts(id, m.type)) m = wire::Message(m.type, m.id, m.attempt);
-  call(wire::msg_type_name(m.type), [&] { return core->on_message(id, std::move(m), now); });
+  call(wire::msg_type_name(m.type), [&] { return core->on_message(id, std::move(m), rnow); });
 }
 
 void World::router_down(double down_s) {
   router_restarts++;
-  line({{"event", "router_down"}, {"t_s", now}, {"for_s", down_s}});
+  router_line({{"event", "router_down"}, {"t_s", rnow}, {"for_s", down_s}});
   router_alive = false;      // killed: no goodbye to anyone
-  router_session++;          // whatever was on its way to it is lost
+  router_session++;          // its timers and disk results die with it
   core.reset();
-  schedule(now + down_s, Ev::kRouterUp);
+  at(router_side, rnow + down_s, Ev::kRouterUp);
 }
 
 void World::router_up() {
   core = std::make_unique<router::RouterCore>(core_opt);
   router_alive = true;
-  router_host.up.free_s = router_host.down.free_s = now;
+  router_up_s = rnow;        // whatever was sent to the old one is lost
+  router_host.up.free_s = router_host.down.free_s = rnow;
   router_host.up.ends.clear();
   router_host.down.ends.clear();
   // The state dir as the server reads it: <state dir>/jobs/<id>/job.json.
@@ -249,8 +371,206 @@ void World::router_up() {
     sj.checkpoint_dir = j.value("checkpoint_dir", std::string());
     stored.push_back(std::move(sj));
   }
-  line({{"event", "router_up"}, {"t_s", now}, {"jobs_restored", stored.size()}});
-  call("restore", [&] { return core->restore(std::move(stored), now); });
+  router_line({{"event", "router_up"}, {"t_s", rnow}, {"jobs_restored", stored.size()}});
+  call("restore", [&] { return core->restore(std::move(stored), rnow); });
+}
+
+void World::router_event(const Event& e) {
+  SlotPool& slots = router_side.slots;
+  switch (e.kind) {
+    case Ev::kTick:
+      if (router_alive) call("tick", [&] { return core->tick(rnow); });
+      at(router_side, rnow + sc.tick_s, Ev::kTick);
+      break;
+    case Ev::kToRouterBulk: {
+      // A large message down the router's link, shared with what it carries already.
+      Slot& s = slots[e.slot];
+      router_host.down.bytes += s.bytes;
+      const double end = std::max(s.up_end, router_host.down.carry(rnow, s.dur)) + router_host.latency_s;
+      at(router_side, end, Ev::kToRouter, e.peer, e.slot);
+      break;
+    }
+    case Ev::kToRouter: {
+      Slot s = slots.take(e.slot);
+      if (e.from == SideId::kPeers) router_host.down.bytes += s.bytes;   // small: it queued behind nothing
+      if (!router_alive || s.depart_s < router_up_s) break;              // sent to a router that is gone: lost
+      if (!s.corrupt) {
+        core_message(e.peer, s.id, std::move(s.m));
+      } else {
+        msgs_to_router++;
+        const WireError err(WireErrc::kChecksum, "tensor 0: checksum mismatch (the payload changed on the way)");
+        call("undecodable", [&] { return core->on_undecodable(s.id, err, s.m.id, rnow); });
+      }
+      break;
+    }
+    case Ev::kUnreachable: {
+      const Slot s = slots.take(e.slot);
+      if (router_alive && core->registry().find(s.id)) call("unreachable", [&] { return core->on_unreachable(s.id, rnow); });
+      break;
+    }
+    case Ev::kRouterDown: {
+      const FaultEvent& f = sc.faults.events[e.slot];
+      if (router_alive) router_down(f.for_s);
+      router_line({{"event", "fault"}, {"t_s", rnow}, {"kind", "restart_router"}, {"peers", nlohmann::json::array()}});
+      break;
+    }
+    case Ev::kRouterUp: router_up(); break;
+    case Ev::kDisk:
+      if (e.session != router_session || !router_alive) break;   // the router that asked is gone
+      if (e.slot & 1) {
+        router::CheckpointWritten w = *disk_writes[e.slot >> 1];
+        disk_writes[e.slot >> 1].reset();
+        call("checkpoint_written", [&] { return core->on_checkpoint_written(w, rnow); });
+      } else {
+        router::JobLoaded r = std::move(*disk_loads[e.slot >> 1]);
+        disk_loads[e.slot >> 1].reset();
+        call("job_loaded", [&] { return core->on_job_loaded(std::move(r), rnow); });
+      }
+      break;
+    case Ev::kSubmit: {
+      if (!router_alive) {
+        at(router_side, rnow + 1, Ev::kSubmit);
+        break;
+      }
+      msg::Hello h;
+      h.role = msg::Role::kClient;
+      h.version = wire::kVersion;
+      call("client", [&] { return core->on_message(client_id, msg::make(h, 1), rnow); });
+      call("client", [&] { return core->on_message(client_id, wire::json_message(wire::MsgType::kSubmit, 2, 0, {{"spec", sc.job_json}}), rnow); });
+      if (!submit_error.empty()) throw ScenarioError("the router refused the scenario's job: " + submit_error);
+      break;
+    }
+    case Ev::kRouterSample: {
+      Slot s;
+      s.j = std::make_unique<nlohmann::json>(router_half());
+      cross(router_side, rnow + peers_side.lookahead_in, Ev::kRouterHalf, -1, std::move(s));
+      at(router_side, rnow + sc.sample_s, Ev::kRouterSample);
+      break;
+    }
+    case Ev::kPauseCheck: check_pause(); break;
+    default: SWARM_CHECK(false, "a peers' event on the router's side");
+  }
+  if (pause_check) check_pause();
+  if (job_ended && !router_side.done) {
+    // Nothing more happens: the peers' side stops when this reaches it.
+    job_end_s = rnow;
+    cross(router_side, rnow + peers_side.lookahead_in, Ev::kStop, -1, Slot());
+    router_side.done = true;
+  }
+}
+
+// ---- The peers' side ----
+
+double World::transfer(Host& a, Host& b, uint64_t bytes, double t) {
+  const double dur = double(bytes) * 8.0 / std::min(a.up.bps, b.down.bps);
+  if (bytes <= kControlBytes) {
+    // A control message (HELLO, heartbeat, a result's references) travels on its own connection,
+    // its packets interleaved with bulk transfers: it is not queued behind them.
+    a.up.bytes += bytes;
+    b.down.bytes += bytes;
+    return t + dur + a.latency_s + b.latency_s;
+  }
+  // Bulk: both ends carry it at the slower one's rate, sharing each with what it carries already.
+  const double end = std::max(a.up.carry(t, dur), b.down.carry(t, dur));
+  a.up.bytes += bytes;
+  b.down.bytes += bytes;
+  return end + a.latency_s + b.latency_s;
+}
+
+double Pipe::carry(double t, double dur) {
+  ends.erase(std::remove_if(ends.begin(), ends.end(), [t](double e) { return e <= t; }), ends.end());
+  const double fair = t + double(ends.size() + 1) * dur;
+  const double after_queue = std::max(t, free_s) + dur;
+  free_s = after_queue;
+  busy_s += dur;
+  const double end = std::min(fair, after_queue);
+  ends.push_back(end);
+  return end;
+}
+
+void World::to_router(int p, wire::Message m, double depart_s, bool corrupt) {
+  // The peer's uplink here; the router's downlink on its side (kToRouterBulk), or nothing to
+  // queue behind for a control message.
+  SimPeer& peer = peers[size_t(p)];
+  peer.last_sent_s = std::max(peer.last_sent_s, depart_s);
+  Slot s;
+  s.bytes = message_bytes(m);
+  s.m = std::move(m);
+  s.id = peer.id;
+  s.depart_s = depart_s;
+  s.corrupt = corrupt;
+  const double dur = double(s.bytes) * 8.0 / std::min(peer.host.up.bps, router_host.down.bps);
+  peer.host.up.bytes += s.bytes;
+  if (s.bytes <= kControlBytes) return cross(peers_side, depart_s + dur + peer.host.latency_s + router_host.latency_s, Ev::kToRouter, p, std::move(s));
+  s.up_end = peer.host.up.carry(depart_s, dur) + peer.host.latency_s;
+  s.dur = dur;
+  cross(peers_side, depart_s + peer.host.latency_s, Ev::kToRouterBulk, p, std::move(s));
+}
+
+void World::peers_event(const Event& e) {
+  SlotPool& slots = peers_side.slots;
+  // Events a crashed process scheduled for itself die with it.
+  const bool stale_peer = e.from == SideId::kPeers && e.peer >= 0 && e.session != peers[size_t(e.peer)].session;
+  switch (e.kind) {
+    case Ev::kFromRouterBulk: {
+      // A large message down the peer's link, shared with what it carries already.
+      Slot& s = slots[e.slot];
+      SimPeer& p = peers[size_t(e.peer)];
+      p.host.down.bytes += s.bytes;
+      const double end = std::max(s.up_end, p.host.down.carry(now, s.dur)) + p.host.latency_s;
+      at(peers_side, end, Ev::kToPeer, e.peer, e.slot);
+      break;
+    }
+    case Ev::kToPeer: {
+      SimPeer& p = peers[size_t(e.peer)];
+      if (e.from == SideId::kRouter) p.host.down.bytes += slots[e.slot].bytes;   // small: it queued behind nothing
+      if (!p.alive || p.id != slots[e.slot].id) {
+        // Its process is gone: the router's send fails (ROUTER_MANDATORY) as the connection's end reaches it.
+        Slot s = slots.take(e.slot);
+        Slot back;
+        back.id = std::move(s.id);
+        cross(peers_side, now + p.host.latency_s, Ev::kUnreachable, e.peer, std::move(back));
+        break;
+      }
+      if (now < p.stall_until) {   // stopped: read later
+        at(peers_side, p.stall_until, Ev::kToPeer, e.peer, e.slot);
+        break;
+      }
+      wire::Message m = slots.take(e.slot).m;
+      if (m.type == wire::MsgType::kPush) push(e.peer, m);
+      else peer_receives(e.peer, std::move(m));
+      break;
+    }
+    case Ev::kWhole:
+      if (stale_peer) slots.take(e.slot);
+      else request_whole(e.peer, e.slot);
+      break;
+    case Ev::kComputed:
+      if (stale_peer) slots.take(e.slot);
+      else computed(e.peer, e.slot);
+      break;
+    case Ev::kHeartbeat:
+      if (!stale_peer) heartbeat(e.peer);
+      break;
+    case Ev::kJoin:
+      if (!stale_peer) join(e.peer);
+      break;
+    case Ev::kCrash:
+      if (!stale_peer && peers[size_t(e.peer)].alive) crash(e.peer, "crash (rate " + std::to_string(sc.faults.crash_per_hour) + "/h)", rng.exponential(sc.faults.rejoin_after_s));
+      break;
+    case Ev::kFault: fault(e.slot); break;
+    case Ev::kFaultEnd:
+      if (!stale_peer) fault_end(e.peer);
+      break;
+    case Ev::kSample:
+      peers_half();
+      at(peers_side, now + sc.sample_s, Ev::kSample);
+      break;
+    case Ev::kRouterHalf: sample(*slots.take(e.slot).j); break;
+    case Ev::kLine: line(std::move(*slots.take(e.slot).j)); break;
+    case Ev::kStop: peers_side.done = true; break;
+    default: SWARM_CHECK(false, "a router's event on the peers' side");
+  }
 }
 
 SimResult World::run() {
@@ -264,105 +584,26 @@ SimResult World::run() {
     const PeerGroup& g = sc.groups[size_t(p.group)];
     const double t = g.join_s + (g.join_spread_s > 0 ? rng.uniform(0, g.join_spread_s) : 0.0);
     if (g.join_s == 0) last_join = std::max(last_join, t);
-    schedule(t, Ev::kJoin, p.index);
+    at(peers_side, t, Ev::kJoin, p.index);
   }
-  schedule(sc.submit_s >= 0 ? sc.submit_s : last_join + 0.5, Ev::kSubmit);
-  schedule(0, Ev::kTick);
-  schedule(sc.sample_s, Ev::kSample);
-  for (size_t i = 0; i < sc.faults.events.size(); ++i) schedule(sc.faults.events[i].at_s, Ev::kFault, -1, uint32_t(i));
+  at(router_side, sc.submit_s >= 0 ? sc.submit_s : last_join + 0.5, Ev::kSubmit);
+  at(router_side, 0, Ev::kTick);
+  at(router_side, sc.sample_s, Ev::kRouterSample);
+  at(peers_side, sc.sample_s, Ev::kSample);
+  for (size_t i = 0; i < sc.faults.events.size(); ++i) {
+    const bool router_fault = sc.faults.events[i].kind == FaultEvent::Kind::kRestartRouter;
+    at(router_fault ? router_side : peers_side, sc.faults.events[i].at_s, router_fault ? Ev::kRouterDown : Ev::kFault, -1, uint32_t(i));
+  }
 
-  while (!queue.empty()) {
-    const Event e = queue.top();
-    if (e.t > end_s) break;
-    queue.pop();
-    now = e.t;
-    sim_events++;
-    const bool stale_peer = e.peer >= 0 && e.session != peers[size_t(e.peer)].session;
-    switch (e.kind) {
-      case Ev::kTick:
-        if (router_alive) call("tick", [&] { return core->tick(now); });
-        schedule(now + sc.tick_s, Ev::kTick);
-        break;
-      case Ev::kToRouter: case Ev::kCorrupt: {
-        Slot s = release_slot(e.slot);
-        if (stale_peer || e.epoch != router_session || !router_alive) break;
-        if (e.kind == Ev::kToRouter) {
-          core_message(e.peer, std::move(s.m));
-        } else {
-          const router::PeerId& id = peers[size_t(e.peer)].id;
-          msgs_to_router++;
-          const WireError err(WireErrc::kChecksum, "tensor 0: checksum mismatch (the payload changed on the way)");
-          call("undecodable", [&] { return core->on_undecodable(id, err, s.m.id, now); });
-        }
-        break;
-      }
-      case Ev::kToPeer:
-        if (stale_peer) {
-          release_slot(e.slot);
-        } else if (now < peers[size_t(e.peer)].stall_until) {
-          queue.push(Event{peers[size_t(e.peer)].stall_until, seq++, e.kind, e.peer, e.session, e.epoch, e.slot});  // stopped: read later
-        } else {
-          peer_receives(e.peer, release_slot(e.slot).m);
-        }
-        break;
-      case Ev::kWhole:
-        if (stale_peer) release_slot(e.slot);
-        else request_whole(e.peer, e.slot);
-        break;
-      case Ev::kComputed:
-        if (stale_peer) release_slot(e.slot);
-        else computed(e.peer, e.slot);
-        break;
-      case Ev::kHeartbeat:
-        if (!stale_peer) heartbeat(e.peer);
-        break;
-      case Ev::kJoin:
-        if (!stale_peer) join(e.peer);
-        break;
-      case Ev::kCrash:
-        if (!stale_peer && peers[size_t(e.peer)].alive) crash(e.peer, "crash (rate " + std::to_string(sc.faults.crash_per_hour) + "/h)", rng.exponential(sc.faults.rejoin_after_s));
-        break;
-      case Ev::kFault: fault(e.slot); break;
-      case Ev::kFaultEnd:
-        if (!stale_peer) fault_end(e.peer);
-        break;
-      case Ev::kRouterUp: router_up(); break;
-      case Ev::kDisk:
-        if (e.epoch != router_session || !router_alive) break;   // the router that asked is gone
-        if (e.slot & 1) {
-          router::CheckpointWritten w = *disk_writes[e.slot >> 1];
-          disk_writes[e.slot >> 1].reset();
-          call("checkpoint_written", [&] { return core->on_checkpoint_written(w, now); });
-        } else {
-          router::JobLoaded r = std::move(*disk_loads[e.slot >> 1]);
-          disk_loads[e.slot >> 1].reset();
-          call("job_loaded", [&] { return core->on_job_loaded(std::move(r), now); });
-        }
-        break;
-      case Ev::kSubmit: {
-        if (!router_alive) {
-          schedule(now + 1, Ev::kSubmit);
-          break;
-        }
-        msg::Hello h;
-        h.role = msg::Role::kClient;
-        h.version = wire::kVersion;
-        call("client", [&] { return core->on_message(client_id, msg::make(h, 1), now); });
-        call("client", [&] { return core->on_message(client_id, wire::json_message(wire::MsgType::kSubmit, 2, 0, {{"spec", sc.job_json}}), now); });
-        if (!submit_error.empty()) throw ScenarioError("the router refused the scenario's job: " + submit_error);
-        break;
-      }
-      case Ev::kSample:
-        sample();
-        schedule(now + sc.sample_s, Ev::kSample);
-        break;
-      case Ev::kPauseCheck: check_pause(); break;
-    }
-    if (pause_check) check_pause();
-    if (job_ended) break;
-  }
-  if (!job_ended) now = end_s;
-  if (now > win.t0) sample();
+  const double lookahead = router_side.lookahead_in + peers_side.lookahead_in;
+  threaded = opt.threads == 2 || (opt.threads == 0 && lookahead > 0 && std::thread::hardware_concurrency() >= 2);
+  if (threaded && !(lookahead > 0)) throw ScenarioError("two threads need links with latency: messages between the router and the peers take no time here");
+  if (threaded) run_threads();
+  else run_interleaved();
+
+  // The end: the job's, or the scenario's duration.
+  now = rnow = job_ended ? std::max(job_end_s, now) : end_s;
+  finish_samples();
   SimResult r;
   r.summary = summary();
   line(r.summary);
@@ -370,11 +611,13 @@ SimResult World::run() {
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
   r.perf = {{"event", "perf"},
             {"note", "CPU and wall time of this run on this machine: not part of the deterministic trace"},
+            {"threads", threaded ? 2 : 1},
             {"core_events", core_events},
             {"core_cpu_s", core_cpu_s},
             {"core_events_per_cpu_s", core_cpu_s > 0 ? double(core_events) / core_cpu_s : 0.0},
             {"core_us_per_event", core_events ? 1e6 * core_cpu_s / double(core_events) : 0.0},
-            {"sim_events", sim_events},
+            {"sim_events", router_side.events + peers_side.events},
+            {"wait_s", {{"router", router_side.wait_s}, {"peers", peers_side.wait_s}}},
             {"wall_s", wall},
             {"virtual_s", now},
             {"virtual_per_wall", wall > 0 ? now / wall : 0.0},

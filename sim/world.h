@@ -4,9 +4,13 @@
 // report.cpp (trace samples, the ideal bound, the summary, expectations). Private to sim/.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <queue>
 #include <string>
 #include <unordered_map>
@@ -41,43 +45,106 @@ struct Host {
   double latency_s = 0;  // one way, to the network's core
 };
 
+// The world runs as two sides, each with its own clock and queue: the router's (its core, its
+// link and disk, the client; kRouter) and the peers' (the stage servers and their links, faults,
+// samples and every trace line; kPeers). Whatever one side does to the other crosses a link, so
+// it lands there at least that link's latency later (the router's own latency for what it sends,
+// the least of the peers' for what they send): that is the lookahead that lets the two run on
+// two threads, each taking the next event only once the other can no longer send it anything
+// earlier. Interleaved on one thread, they take the same events in the same order.
+enum class SideId : uint8_t { kRouter = 0, kPeers = 1 };
+
 enum class Ev : uint8_t {
+  // The router's side.
   kTick,          // the router's poll loop
-  kToRouter,      // a message arrives at the router (slot)
-  kCorrupt,       // a reply arrives with a tensor failing its checksum (slot: its envelope survives)
-  kToPeer,        // a message arrives at a peer (slot)
+  kToRouter,      // a message arrives at the router (slot; a cross-event when it is small)
+  kToRouterBulk,  // a large message starts down the router's downlink (slot: up_end, dur)
+  kUnreachable,   // a send to a peer's routing id found no process there (slot: id)
+  kRouterDown,    // a restart_router fault (slot: its index in faults.events)
+  kRouterUp,      // a restarted router is back
+  kDisk,          // a LoadJob or WriteCheckpoint finished (slot: the disk result)
+  kSubmit,        // the client submits the job
+  kRouterSample,  // the router's half of a trace sample
+  kPauseCheck,    // while paused: has the stage come back?
+  // The peers' side.
+  kToPeer,        // a message arrives at a peer (slot, with the routing id it was sent to)
+  kFromRouterBulk,// a large message from the router starts down a peer's downlink (slot: up_end, dur)
   kWhole,         // a request's references have all been fetched, or one failed (slot)
   kComputed,      // a peer's compute thread finished a request (slot)
   kHeartbeat,     // a peer's heartbeat timer
   kJoin,          // a peer process starts and says HELLO
   kCrash,         // a peer's next crash from the crash rate
-  kFault,         // a scenario fault event (peer: its index in faults.events)
+  kFault,         // a scenario fault event (slot: its index in faults.events)
   kFaultEnd,      // a stall or slow-down ends (peer)
-  kRouterUp,      // a restarted router is back
-  kDisk,          // a LoadJob or WriteCheckpoint finished (slot: the disk result)
-  kSubmit,        // the client submits the job
-  kSample,        // a trace sample
-  kPauseCheck,    // while paused: has the stage come back?
+  kSample,        // the peers' half of a trace sample
+  kRouterHalf,    // the router's half of a sample arrives (slot: json)
+  kLine,          // a trace line the router's side made (slot: json)
+  kStop,          // the job ended at the router: nothing more happens
 };
 
+// Events in time; ties by a Lamport sequence (a side's counter, past every event it has taken),
+// then by the side that scheduled it. The order is the same whether the sides interleave on one
+// thread or run on two.
 struct Event {
   double t = 0;
-  uint64_t seq = 0;      // ties in time go in scheduling order
+  uint64_t seq = 0;
+  SideId from = SideId::kRouter;
   Ev kind = Ev::kTick;
   int peer = -1;
-  uint64_t session = 0;  // the peer's session when scheduled: events of a crashed process are dropped
-  uint64_t epoch = 0;    // the router's session when scheduled: messages to a router that restarted are lost
+  uint64_t session = 0;  // peers' side: the peer's session when scheduled (a crashed process's events are dropped);
+                         // router's side: the router's session (a restarted router's old events are dropped)
   uint32_t slot = 0;
-  bool operator>(const Event& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+  bool operator>(const Event& o) const {
+    if (t != o.t) return t > o.t;
+    if (seq != o.seq) return seq > o.seq;
+    return from > o.from;
+  }
 };
 
 // A message on its way, or a request a peer has taken and not answered yet (what its fetches
-// brought, and the ERROR to answer instead when one failed).
+// brought, and the ERROR to answer instead when one failed); what a cross-event carries.
 struct Slot {
   wire::Message m;
   std::vector<int64_t> fetched;          // bytes fetched per request slot
   std::optional<wire::Message> failure;
   double compute_s = 0;                  // what its work took
+  std::string id;                        // the routing id it comes from or goes to
+  double depart_s = 0;                   // when it left its sender
+  uint64_t bytes = 0;                    // on the wire
+  double up_end = 0, dur = 0;            // a large message: when the sender's uplink is done with it, and its time alone
+  bool corrupt = false;                  // a reply whose tensor fails its checksum on arrival
+  std::unique_ptr<nlohmann::json> j;     // a trace line, or the router's half of a sample
+};
+
+class SlotPool {
+ public:
+  uint32_t put(Slot s);
+  Slot take(uint32_t i);
+  Slot& operator[](uint32_t i) { return slots_[i]; }
+
+ private:
+  std::vector<Slot> slots_;
+  std::vector<uint32_t> free_;
+};
+
+// One side's events and the cross-events on their way to it from the other side's thread.
+struct Side {
+  SideId id = SideId::kRouter;
+  double now = 0;
+  uint64_t clock = 0;                    // Lamport: past every event scheduled or taken here
+  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> queue;
+  SlotPool slots;
+  uint64_t events = 0;
+  double wait_s = 0;                     // threads: wall time spent waiting for the other side
+  bool done = false;                     // it takes nothing more
+  double lookahead_in = 0;               // the least delay of anything the other side sends here [s]
+  // Threads: cross-events land in `inbox` under `mu`; `bound` is a time this side takes no event
+  // before (published after its sends, read by the other side before it drains its inbox).
+  std::mutex mu;
+  std::vector<std::pair<Event, Slot>> inbox;
+  std::vector<std::pair<Event, Slot>> outbox, received;   // this thread's: sent and not handed over; taken from inbox
+  std::atomic<bool> arrived{false};      // inbox is not empty
+  std::atomic<double> bound{0};
 };
 
 struct SimPeer {
@@ -103,8 +170,8 @@ struct SimPeer {
 };
 
 struct Window {                          // one sample interval's counters
-  double t0 = 0;
-  uint64_t completed0 = 0;
+  double t0 = 0, t1 = 0;                 // from, to
+  int alive = 0;                         // live peers at its end
   double ideal_integral = 0;             // the ideal bound integrated over the interval [tokens]
   // Where the swarm's capacity went (report.cpp): FLOPs of the hops computed in the interval, and
   // the part of them that was a backward recomputing its forward (its graph was not cached).
@@ -120,25 +187,40 @@ class World {
   SimResult run();
 
   // ---- world.cpp ----
-  void schedule(double t, Ev kind, int peer = -1, uint32_t slot = 0);
-  uint32_t stash(wire::Message m);
-  Slot release_slot(uint32_t slot);
+  Side& other(Side& s);
+  void at(Side& s, double t, Ev kind, int peer = -1, uint32_t slot = 0);   // an event of s's own (a slot in s.slots)
+  // A cross-event from `from` to the other side, carrying `slot`: it lands at `t`, at least the
+  // other side's lookahead_in after from.now.
+  void cross(Side& from, double t, Ev kind, int peer, Slot slot);
+  void deliver(Side& to, Event e, Slot slot);              // a cross-event into its side's queue
+  void publish(Side& s, double bound);                     // threads: hands over s's outbox, then publishes its bound
+  void drain(Side& s);                                     // threads: what arrived in s's inbox, into its queue
+  void step(Side& s);                                      // takes s's next event
+  void run_interleaved();
+  void run_side(Side& s);                                  // one side's thread
+  void run_threads();
+  void router_event(const Event& e);
+  void peers_event(const Event& e);
+  // The router's side.
   template <class F>
   void call(const char* what, F&& f);    // one event into the core, timed under `what`; its actions carried out
-  // A transfer of `bytes` from a's uplink to b's downlink starting no earlier than `now`: when it
-  // has arrived (latencies included).
-  double transfer(Host& a, Host& b, uint64_t bytes, double now);
   void take(router::Actions a);          // carries out the core's actions
-  void to_router(int peer, wire::Message m, double depart_s);
-  void core_message(int peer, wire::Message m);
+  void send_to_peer(int p, const router::PeerId& to, wire::Message m);
+  void core_message(int peer, const std::string& id, wire::Message m);
+  void router_line(nlohmann::json j);    // a trace line, written by the peers' side
   void router_down(double down_s);
   void router_up();
+  nlohmann::json router_half();          // the router's part of a sample: the job's status, its link
+  // The peers' side.
+  // A transfer of `bytes` from a's uplink to b's downlink starting no earlier than `now`: when it
+  // has arrived (latencies included). Both hosts are peers.
+  double transfer(Host& a, Host& b, uint64_t bytes, double now);
+  void to_router(int peer, wire::Message m, double depart_s, bool corrupt = false);
 
   // ---- peers.cpp ----
   void join(int p);
   void peer_receives(int p, wire::Message m);
-  // The router's PUSH to a holder: when the tensor reaches its receiver, noted there (the holder's
-  // I/O thread sends it as the PUSH arrives; no event of its own).
+  // The router's PUSH reached holder p: the tensor's arrival at its receiver noted there.
   void push(int holder, const wire::Message& m);
   // Holder h sends part `part` of its reply to request `key` to the peer listening at `to`,
   // starting at `at`: its arrival noted at the receiver.
@@ -151,11 +233,12 @@ class World {
   void schedule_crash(int p);
   void fault(size_t index);
   void fault_end(int p);
-  int peer_of(const std::string& routing_id) const;
 
   // ---- report.cpp ----
-  void sample();
-  void open_window(uint64_t completed);  // a new sample interval from now
+  void peers_half();                     // the peers' part of a sample, at its time
+  void sample(const nlohmann::json& router);   // the oldest peers' half with the router's: the trace line
+  void finish_samples();                 // at the end: halves the router did not answer, and the last window
+  void open_window();                    // a new sample interval from now
   nlohmann::json busy_by_group(const std::vector<double>& alive_s, const std::vector<double>& busy_s) const;
   void note_log(const router::Log& l);
   void check_pause();                    // whether a stage of the job has no ready peer now
@@ -169,19 +252,24 @@ class World {
   SimOptions opt;
   Rng rng;
   JobCosts costs;
-  double now = 0, end_s = 0;
-  uint64_t seq = 0;
-  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> queue;
-  std::vector<Slot> slots;
-  std::vector<uint32_t> free_slots;
+  double end_s = 0;
+  Side router_side, peers_side;
+  double& now = peers_side.now;          // the peers' clock (peers.cpp, report.cpp)
+  double& rnow = router_side.now;        // the router's clock
+  bool threaded = false;
+  std::atomic<bool> failed{false};       // a side threw: both stop
+  std::mutex error_mu;
+  std::exception_ptr error;              // what it threw
   Payloads payloads;
 
-  // The router.
+  // The router's side (its thread).
   std::unique_ptr<router::RouterCore> core;
   router::CoreOptions core_opt;
-  uint64_t router_session = 1;           // bumped when it restarts: messages to the old one are lost
+  uint64_t router_session = 1;           // bumped when it restarts: its old timers and disk results are dropped
+  double router_up_s = 0;                // when the running router started: what was sent before is lost
   bool router_alive = true;
   Host router_host;
+  std::unordered_map<std::string, int> peer_by_id;   // routing ids the router has heard from -> peer
   std::map<std::string, std::string> files;                            // WriteFile, by path
   std::map<std::string, std::vector<std::shared_ptr<const Checkpoint>>> checkpoints;  // by dir, oldest first
   std::vector<std::optional<router::JobLoaded>> disk_loads;             // by slot (kDisk)
@@ -190,37 +278,38 @@ class World {
   const router::PeerId client_id = "c-sim";
   uint64_t job_id = 0;
   std::string submit_error;
-
-  // The peers.
-  std::vector<SimPeer> peers;
-  std::unordered_map<std::string, int> by_id;        // routing id -> peer (lookups only)
-  std::unordered_map<std::string, int> by_listen;    // listen address -> peer
-
-  // What happened (report.cpp writes it out).
   bool job_ended = false, job_running = false;
+  double job_end_s = -1;
   bool pause_check = false;              // a peer left its stage: see whether the job paused
   double paused_since = -1, paused_total_s = 0;
   uint64_t pauses = 0;
   std::string last_state, last_reason;
-  uint64_t moves = 0, quarantined = 0, crashes = 0, rejoins = 0, router_restarts = 0;
-  uint64_t corrupt_sent = 0, fetches = 0, fetch_failures = 0, relays = 0, pushes = 0, pushes_used = 0;
+  uint64_t completed0 = 0;               // microbatches completed at the last sample
+  uint64_t moves = 0, quarantined = 0, router_restarts = 0;
   uint64_t msgs_to_router = 0, msgs_from_router = 0, heartbeats_in = 0, heartbeats_out = 0;
   std::map<std::string, uint64_t> log_counts;        // by level
-  uint64_t peak_held_bytes = 0;                      // the most one peer held for others [bytes]
-  double ideal_flops = 0;                            // sum of the effective FLOP/s of live peers
-  double ideal_mark_s = 0;
-  std::vector<int> group_alive;                      // live peers per group
-  Window win;
-  std::vector<nlohmann::json> samples;               // kept for the summary's last-hour figures
-  std::vector<Window> sampled;                       // each sample's counters, in the same order
-  // Perf (not in the trace).
-  uint64_t core_events = 0, sim_events = 0;
+  uint64_t core_events = 0;
   double core_cpu_s = 0;
   struct CoreCost {
     uint64_t events = 0;
     double s = 0;
   };
   std::unordered_map<const char*, CoreCost> core_by_event;   // by message type name, "tick", ... (static strings)
+
+  // The peers' side (the calling thread).
+  std::vector<SimPeer> peers;
+  std::unordered_map<std::string, int> by_listen;    // listen address -> peer
+  bool stopped = false;                              // the router's job ended
+  uint64_t crashes = 0, rejoins = 0;
+  uint64_t corrupt_sent = 0, fetches = 0, fetch_failures = 0, relays = 0, pushes = 0, pushes_used = 0;
+  uint64_t peak_held_bytes = 0;                      // the most one peer held for others [bytes]
+  double ideal_flops = 0;                            // sum of the effective FLOP/s of live peers
+  double ideal_mark_s = 0;
+  std::vector<int> group_alive;                      // live peers per group
+  Window win;
+  std::deque<Window> halves;                         // the peers' halves of samples whose router half is on its way
+  std::vector<nlohmann::json> samples;               // kept for the summary's last-hour figures
+  std::vector<Window> sampled;                       // each sample's counters, in the same order
 };
 
 }  // namespace swarm::sim

@@ -44,7 +44,7 @@ void print_line(const json& j) {
 
 }  // namespace
 
-int run_sim(const std::string& path, bool as_json, std::optional<uint64_t> seed) {
+int run_sim(const std::string& path, bool as_json, std::optional<uint64_t> seed, int threads) {
   sim::Scenario sc;
   try {
     sc = sim::load_scenario(path);
@@ -54,6 +54,7 @@ int run_sim(const std::string& path, bool as_json, std::optional<uint64_t> seed)
   }
   sim::SimOptions o;
   o.seed = seed;
+  o.threads = threads;
   o.on_line = [&](const json& j) {
     if (as_json) std::cout << j.dump() << "\n";
     else print_line(j);

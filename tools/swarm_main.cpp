@@ -173,6 +173,9 @@ int main(int argc, char** argv) {
   simc->add_option("scenario", scenario_path, "scenario (JSON; examples/sim/)")->required();
   simc->add_option("--seed", sim_seed, "seed for every random draw (default: the scenario's)");
   simc->add_flag("--json", as_json, "JSON lines: the trace, then the summary, then the core's CPU figures");
+  int sim_threads = 0;
+  simc->add_option("--threads", sim_threads, "1: the router's side and the peers' interleaved on one thread; 2: on two (default: two where the links' latency allows; the trace is the same)")
+      ->check(CLI::Range(0, 2));
   ConformanceOptions conf;
   auto* conform = app.add_subcommand("conformance", "check a stage server against the peer contract, message by message (docs/model.md)");
   conform->add_option("--peer", conf.peer_command, "the peer's command; {router} becomes the kit's endpoint, e.g. 'build/swarm-stage --router {router}'")
@@ -392,7 +395,7 @@ int main(int argc, char** argv) {
     if (*bench) {
       return run_bench(bench_name, as_json);
     }
-    if (*simc) return run_sim(scenario_path, as_json, sim_seed);
+    if (*simc) return run_sim(scenario_path, as_json, sim_seed, sim_threads);
     if (*exp) {
       try {
         const ExportSummary r = export_checkpoint(ckpt_path, export_out);

@@ -37,10 +37,11 @@ TEST(Sim, ALinkSharesItsRateSoASmallTransferDoesNotWaitBehindALargeOne) {
 }
 
 // The whole trace of a run, one JSON line per event.
-std::string trace_of(const Scenario& s, std::optional<uint64_t> seed = std::nullopt) {
+std::string trace_of(const Scenario& s, std::optional<uint64_t> seed = std::nullopt, int threads = 0) {
   std::string out;
   SimOptions o;
   o.seed = seed;
+  o.threads = threads;
   o.measure_cpu = false;
   o.on_line = [&](const json& j) { out += j.dump() + "\n"; };
   simulate(s, o);
@@ -62,6 +63,32 @@ TEST(Sim, TheSameSeedGivesTheSameTraceByteForByte) {
   EXPECT_EQ(a, b);
   // And the seed matters: another one crashes other peers at other times.
   EXPECT_NE(a, trace_of(s, 99));
+}
+
+// The router's side and the peers' side on two threads take the same events in the same order
+// as on one: churn and faults, a restarted router, tensors through the router, a rebalancing
+// swarm with pushes peer to peer.
+TEST(Sim, TwoThreadsGiveTheSameTraceAsOne) {
+  std::vector<Scenario> cases{churny(), load_scenario(kCorpus + "/router_restart.json"), load_scenario(kCorpus + "/hub.json"),
+                              load_scenario(kCorpus + "/rebalance_many.json")};
+  cases[3].duration_s = 120;
+  for (const Scenario& s : cases) {
+    SCOPED_TRACE(s.name);
+    const std::string one = trace_of(s, std::nullopt, 1), two = trace_of(s, std::nullopt, 2);
+    EXPECT_GT(one.size(), 2000u);
+    EXPECT_EQ(one, two);
+  }
+  // Without latency between the router and the peers there is nothing to run ahead on.
+  Scenario instant = load_scenario(kCorpus + "/tiny_local.json");
+  instant.router_link.latency_s = 0;
+  for (PeerGroup& g : instant.groups) g.link.latency_s = 0;
+  try {
+    trace_of(instant, std::nullopt, 2);
+    ADD_FAILURE() << "two threads ran without a lookahead";
+  } catch (const ScenarioError& e) {
+    EXPECT_NE(std::string(e.what()).find("latency"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(trace_of(instant).empty());   // the default interleaves them
 }
 
 TEST(Sim, AStageThatLosesItsLastPeerPausesTheJobAndResumesWhenPeersReturn) {
