@@ -10,7 +10,7 @@ packages=(
   libmsgpack-cxx-dev nlohmann-json3-dev libxxhash-dev
   libzstd-dev                          # entropy=zstd: lossless packing of codec output on the wire
   libcli11-dev libgtest-dev
-  libjemalloc-dev                      # the allocator of swarm and swarm-router: glibc's serialises threads freeing each other's memory (docs/scale.md)
+  libjemalloc-dev                      # swarm's allocator: glibc's serialises threads freeing each other's memory (docs/scale.md)
   libcpp-httplib-dev                   # --http of swarm-router and swarm-stage: /metrics, /api/*, the dashboard
   prometheus                           # tests/integration/test_observability.cpp: promtool check metrics, a real scraping server
   chromium                             # tests/integration/test_observability.cpp: the dashboard in a headless browser
