@@ -100,13 +100,18 @@ World::World(const Scenario& s, const SimOptions& o) : sc(s), opt(o), rng(o.seed
 
 Side& World::other(Side& s) { return s.id == SideId::kRouter ? peers_side : router_side; }
 
-void World::at(Side& s, double t, Ev kind, int peer, uint32_t slot) {
+Event World::stamp(Side& from, double t, Ev kind, int peer) {
   Event e;
   e.t = t;
-  e.seq = ++s.clock;
-  e.from = s.id;
+  e.seq = ++from.clock;
+  e.from = from.id;
   e.kind = kind;
   e.peer = peer;
+  return e;
+}
+
+void World::at(Side& s, double t, Ev kind, int peer, uint32_t slot) {
+  Event e = stamp(s, t, kind, peer);
   e.session = s.id == SideId::kPeers ? (peer >= 0 ? peers[size_t(peer)].session : 0) : router_session;
   e.slot = slot;
   s.queue.push(e);
@@ -116,12 +121,7 @@ void World::cross(Side& from, double t, Ev kind, int peer, Slot slot) {
   Side& to = other(from);
   SWARM_CHECK(t >= from.now + to.lookahead_in, "a cross-event lands within the lookahead (" + std::to_string(t) + " < " +
                                                     std::to_string(from.now) + " + " + std::to_string(to.lookahead_in) + ")");
-  Event e;
-  e.t = t;
-  e.seq = ++from.clock;
-  e.from = from.id;
-  e.kind = kind;
-  e.peer = peer;
+  const Event e = stamp(from, t, kind, peer);
   if (threaded) from.outbox.emplace_back(e, std::move(slot));   // handed over when this side next publishes its bound
   else deliver(to, e, std::move(slot));
 }

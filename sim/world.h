@@ -188,6 +188,7 @@ class World {
 
   // ---- world.cpp ----
   Side& other(Side& s);
+  Event stamp(Side& from, double t, Ev kind, int peer);   // the next event `from` schedules (its Lamport sequence)
   void at(Side& s, double t, Ev kind, int peer = -1, uint32_t slot = 0);   // an event of s's own (a slot in s.slots)
   // A cross-event from `from` to the other side, carrying `slot`: it lands at `t`, at least the
   // other side's lookahead_in after from.now.
