@@ -11,8 +11,10 @@
 //   (one a100-like on each of stages 0 and 1, three t4-like on each of stages 2 and 3).
 // sim_1000_vs_ideal, virtual_per_wall, core_events_per_s: examples/sim/scale/swarm_1000.json
 //   (1,000 peers, 25% a100-like, 75% t4-like, started badly placed, 32 stages, churn, 1 Gbit/s
-//   links), for SWARM_SIM_BENCH_S virtual seconds (default 600: at the measured speed a full
-//   hour takes tens of minutes here); tokens/s over the second half of the run / the ideal bound.
+//   links) for its simulated hour (SWARM_SIM_BENCH_S sets another length: 600 takes a minute
+//   here); tokens/s over the last simulated hour (the whole run, its start included) / the ideal
+//   bound. The second half's figure, which the bench reported before the simulator ran on two
+//   threads, is in `raw`.
 // core_events_per_s_10000: examples/sim/scale/swarm_10000.json, reported (SWARM_SIM_BENCH_10000=0
 //   skips it).
 // lost: the most microbatches lost in any of these runs.
@@ -226,17 +228,19 @@ int run_sim_bench(bool as_json) {
 
   // 2. A thousand peers, and ten thousand.
   const char* env = std::getenv("SWARM_SIM_BENCH_S");
-  const double seconds = env ? std::atof(env) : 600.0;
-  const ScaleRun k1 = scale_run("swarm_1000.json", seconds);
+  const ScaleRun k1 = scale_run("swarm_1000.json", env ? std::atof(env) : 0.0);
   lost = std::max(lost, k1.summary["job"]["microbatches"].value("lost", uint64_t(0)));
-  say(as_json, {{"bench", "sim"}, {"case", "swarm_1000"}, {"virtual_s", seconds}, {"vs_ideal_second_half", k1.vs_ideal}, {"hop_share_second_half", k1.hop_share},
-                 {"recompute_share_second_half", k1.recompute_share}, {"summary", k1.summary}, {"perf", k1.perf}},
-      "1,000 peers, " + std::to_string(int(seconds)) + " virtual s: " + std::to_string(k1.vs_ideal) + " of the ideal over the second half; core " +
+  const double seconds = k1.summary.value("virtual_s", 0.0);
+  const double last_hour = k1.summary["last_hour"].value("vs_ideal", 0.0);
+  say(as_json, {{"bench", "sim"}, {"case", "swarm_1000"}, {"virtual_s", seconds}, {"vs_ideal_last_hour", last_hour}, {"vs_ideal_second_half", k1.vs_ideal},
+                 {"hop_share_second_half", k1.hop_share}, {"recompute_share_second_half", k1.recompute_share}, {"summary", k1.summary}, {"perf", k1.perf}},
+      "1,000 peers, " + std::to_string(int(seconds)) + " virtual s: " + std::to_string(last_hour) + " of the ideal over the last hour (" +
+          std::to_string(k1.vs_ideal) + " over the second half); core " +
           std::to_string(k1.perf.value("core_events_per_cpu_s", 0.0)) + " events per CPU s; " + std::to_string(k1.perf.value("virtual_per_wall", 0.0)) +
           " virtual s per wall s; of the peers' FLOPs " + std::to_string(k1.hop_share) + " went to hops, " +
           std::to_string(k1.recompute_share) + " of them to recomputed forwards");
-  // The 10,000-peer run makes about 1.4 virtual seconds per wall second here (docs/scale.md):
-  // SWARM_SIM_BENCH_10000=0 leaves it out.
+  // The 10,000-peer run's 60 virtual s take about 8 s here (docs/scale.md): SWARM_SIM_BENCH_10000=0
+  // leaves it out.
   ScaleRun k10;
   k10.perf = json::object();
   const char* ten = std::getenv("SWARM_SIM_BENCH_10000");
@@ -251,14 +255,14 @@ int run_sim_bench(bool as_json) {
                {"figures",
                 {{"sim_vs_real", {{"value", cal[0].ratio}, {"target", "0.85 to 1.15"}}},
                  {"sim_vs_real_hetero", {{"value", cal[1].ratio}, {"target", "0.85 to 1.15"}}},
-                 {"sim_1000_vs_ideal", {{"value", k1.vs_ideal}, {"target", ">= 0.85 (second half of a " + std::to_string(int(seconds)) + " s run, not the last hour of 3600 s)"}}},
+                 {"sim_1000_vs_ideal", {{"value", last_hour}, {"target", ">= 0.85 (the last simulated hour" + std::string(seconds < 3600 ? ": the whole " + std::to_string(int(seconds)) + " s run" : "") + ")"}}},
                  {"core_events_per_s", {{"value", k1.perf.value("core_events_per_cpu_s", 0.0)}, {"target", ">= 200000 (1,000 peers)"}}},
                  {"core_events_per_s_10000", {{"value", k10.perf.value("core_events_per_cpu_s", 0.0)}, {"target", "report (10,000 peers)"}}},
                  {"virtual_per_wall", {{"value", k1.perf.value("virtual_per_wall", 0.0)}, {"target", ">= 60 (1,000 peers)"}}},
                  {"lost", {{"value", lost}, {"target", "0"}}}}},
                {"raw", {{"real_tokens_per_s", cal[0].real.tokens_per_s}, {"sim_tokens_per_s", cal[0].sim_tps},
                         {"hetero_real_tokens_per_s", cal[1].real.tokens_per_s}, {"hetero_sim_tokens_per_s", cal[1].sim_tps}, {"sim_1000_virtual_s", seconds},
-                        {"sim_1000_hop_share", k1.hop_share}, {"sim_1000_recompute_share", k1.recompute_share}, {"perf_1000", k1.perf}, {"perf_10000", k10.perf}, {"last_hour_1000", k1.summary["last_hour"]}}}};
+                        {"sim_1000_vs_ideal_second_half", k1.vs_ideal}, {"sim_1000_hop_share", k1.hop_share}, {"sim_1000_recompute_share", k1.recompute_share}, {"perf_1000", k1.perf}, {"perf_10000", k10.perf}, {"last_hour_1000", k1.summary["last_hour"]}}}};
   std::cout << (as_json ? summary.dump() : summary.dump(2)) << std::endl;
   return 0;
 }
