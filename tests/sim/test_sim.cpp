@@ -67,11 +67,17 @@ TEST(Sim, TheSameSeedGivesTheSameTraceByteForByte) {
 
 // The router's side and the peers' side on two threads take the same events in the same order
 // as on one: churn and faults, a restarted router, tensors through the router, a rebalancing
-// swarm with pushes peer to peer.
+// swarm with pushes peer to peer, and churn again with no latency on one side of the links.
 TEST(Sim, TwoThreadsGiveTheSameTraceAsOne) {
   std::vector<Scenario> cases{churny(), load_scenario(kCorpus + "/router_restart.json"), load_scenario(kCorpus + "/hub.json"),
                               load_scenario(kCorpus + "/rebalance_many.json")};
   cases[3].duration_s = 120;
+  // With no latency one way, the other way's is the whole lookahead.
+  Scenario instant_router = churny(), instant_peers = churny();
+  instant_router.router_link.latency_s = 0;
+  for (PeerGroup& g : instant_peers.groups) g.link.latency_s = 0;
+  cases.push_back(instant_router);
+  cases.push_back(instant_peers);
   for (const Scenario& s : cases) {
     SCOPED_TRACE(s.name);
     const std::string one = trace_of(s, std::nullopt, 1), two = trace_of(s, std::nullopt, 2);
