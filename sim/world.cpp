@@ -57,8 +57,7 @@ uint32_t SlotPool::put(Slot s) {
 }
 
 Slot SlotPool::take(uint32_t i) {
-  Slot s = std::move(slots_[i]);
-  slots_[i] = Slot{};
+  Slot s = std::move(slots_[i]);   // what is left there is overwritten by the next put
   free_.push_back(i);
   return s;
 }
