@@ -82,8 +82,8 @@ int run_sim(const std::string& path, bool as_json, std::optional<uint64_t> seed,
     for (const auto& [group, share] : busy.items()) std::printf(" %s %.2f", group.c_str(), share.get<double>());
     std::printf("\n");
     std::printf("traffic: %s\n", s["traffic"].dump().c_str());
-    std::printf("core: %.0f events per CPU second (%.2f us each), %.1f virtual s per wall s\n", num(r.perf, "core_events_per_cpu_s"),
-                num(r.perf, "core_us_per_event"), num(r.perf, "virtual_per_wall"));
+    std::printf("core: %.0f events per CPU second (%.2f us each), %.1f virtual s per wall s on %d thread(s)\n", num(r.perf, "core_events_per_cpu_s"),
+                num(r.perf, "core_us_per_event"), num(r.perf, "virtual_per_wall"), int(num(r.perf, "threads")));
   }
   for (const std::string& u : r.unmet) std::cerr << "swarm sim: expectation missed: " << u << std::endl;
   return r.unmet.empty() ? 0 : 1;
