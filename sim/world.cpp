@@ -184,7 +184,7 @@ void World::run_side(Side& s) {
       drain(s);
       // Whatever the other side sends from now on lands at `limit` or later.
       const double limit = theirs + s.lookahead_in;
-      for (int taken = 0;; ++taken) {
+      for (int taken = 0; !failed.load(std::memory_order_relaxed); ++taken) {   // the other side threw: stop
         const double head = s.done || s.queue.empty() ? kNever : s.queue.top().t;
         if (s.done || (head > end_s && limit > end_s)) {
           publish(s, kNever);
