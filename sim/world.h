@@ -302,7 +302,7 @@ class World {
   std::unordered_map<std::string, int> by_listen;    // listen address -> peer
   bool stopped = false;                              // the router's job ended
   uint64_t crashes = 0, rejoins = 0;
-  uint64_t corrupt_sent = 0, fetches = 0, fetch_failures = 0, relays = 0, pushes = 0, pushes_used = 0;
+  uint64_t corrupt_sent = 0, fetches = 0, fetch_failures = 0, pushes = 0, pushes_used = 0;
   uint64_t peak_held_bytes = 0;                      // the most one peer held for others [bytes]
   double ideal_flops = 0;                            // sum of the effective FLOP/s of live peers
   double ideal_mark_s = 0;
