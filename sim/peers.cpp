@@ -209,7 +209,7 @@ void World::peer_receives(int i, wire::Message m) {
 void World::push(int i, const wire::Message& m) {
   SimPeer& h = peers[size_t(i)];
   const msg::Push pu = msg::read<msg::Push>(m);
-  push_from(h, pu.key, size_t(pu.part), pu.to, std::max(now, h.stall_until));   // a stopped holder pushes when it runs again
+  push_from(h, pu.key, size_t(pu.part), pu.to, now);   // a stopped holder reads the PUSH when it runs again (kToPeer)
 }
 
 void World::push_from(SimPeer& h, uint64_t key, size_t part, const std::string& to_addr, double at) {
