@@ -154,6 +154,11 @@ void World::peer_receives(int i, wire::Message m) {
   req.m = std::move(m);
   const uint32_t slot = peers_side.slots.put(std::move(req));
   Slot& s = peers_side.slots[slot];
+  if (std::find(std::begin(msg::Hop::kTypes), std::end(msg::Hop::kTypes), s.m.type) != std::end(msg::Hop::kTypes)) {
+    msg::Hop h = msg::read<msg::Hop>(s.m);
+    s.mb = h.mb;
+    s.push_to = std::move(h.push_to);
+  }
   s.fetched.assign(s.m.tensors.size() + s.m.refs.size(), 0);
   double whole = now, failed_at = 1e300;
   // As PeerLink waits: --fetch-timeout-s, or less where the request asks.
@@ -197,7 +202,7 @@ void World::peer_receives(int i, wire::Message m) {
       fetch_failures++;
       if (done < failed_at) {
         failed_at = done;
-        s.failure = fetch_error(s.m, ref->slot, *why, ref->from);
+        s.failure = std::make_unique<wire::Message>(fetch_error(s.m, ref->slot, *why, ref->from));
       }
     } else {
       whole = std::max(whole, done);
@@ -233,7 +238,7 @@ void World::request_whole(int i, uint32_t slot) {
   SimPeer& p = peers[size_t(i)];
   Slot& s = peers_side.slots[slot];
   if (s.failure) {
-    to_router(i, *peers_side.slots.take(slot).failure, now + p.dev.overhead_ms / 1000.0);
+    to_router(i, std::move(*peers_side.slots.take(slot).failure), now + p.dev.overhead_ms / 1000.0);
     return;
   }
   // What the work costs on this device, jittered and slowed.
@@ -254,7 +259,7 @@ void World::request_whole(int i, uint32_t slot) {
     values = stage >= 0 ? costs.params[size_t(stage)] : 0;
     if (m.type != MsgType::kRoundApply) values *= int64_t(std::max<size_t>(1, m.tensors.size() + m.refs.size()));
   }
-  const bool cached = has_graph(p.book, m);
+  const bool cached = has_graph(p.book, m.type, s.mb);
   s.compute_s = request_seconds(p.dev, costs, m.type, stage, cached, values, members) * rng.jitter(p.dev.jitter) * p.slow;
   const double start = std::max(now, p.busy_until);
   p.busy_until = start + s.compute_s;
@@ -269,7 +274,7 @@ void World::computed(int i, uint32_t slot) {
   }
   Slot s = peers_side.slots.take(slot);
   win.group_busy_s[size_t(p.group)] += s.compute_s;
-  const bool cached = has_graph(p.book, s.m);
+  const bool cached = has_graph(p.book, s.m.type, s.mb);
   const double units = work_units(s.m.type, cached);
   if (units > 0 && p.book.stage >= 0 && p.book.stage < costs.stages) {
     const double fwd = costs.fwd_flops[size_t(p.book.stage)];
@@ -279,8 +284,7 @@ void World::computed(int i, uint32_t slot) {
   std::optional<wire::Message> rep = reply(p.book, s.m, s.fetched, s.compute_s * 1000.0, now, p.quirks, payloads);
   if (rep && !rep->refs.empty() && (s.m.type == wire::MsgType::kBackward || s.m.type == wire::MsgType::kForwardLoss)) {
     // Made and held: pushed at once to the peer the router expects to take the next hop.
-    const msg::Hop h = msg::read<msg::Hop>(s.m);
-    if (h.push_to) push_from(p, s.m.id, 0, *h.push_to, now);
+    if (s.push_to) push_from(p, s.m.id, 0, *s.push_to, now);
   }
   if (units > 0) p.ms_per_unit = timing::ema(p.ms_per_unit, s.compute_s * 1000.0 / units);
   peak_held_bytes = std::max(peak_held_bytes, p.book.held_bytes);

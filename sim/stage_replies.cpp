@@ -77,9 +77,10 @@ wire::Message fetch_error(const wire::Message& req, uint32_t slot, FetchFailure 
   return e;
 }
 
+bool has_graph(const StageBook& b, MsgType t, uint64_t mb) { return t == MsgType::kBackward && b.graphs.count(mb) > 0; }
+
 bool has_graph(const StageBook& b, const wire::Message& m) {
-  if (m.type != MsgType::kBackward) return false;
-  return b.graphs.count(msg::read<msg::Hop>(m).mb) > 0;
+  return m.type == MsgType::kBackward && has_graph(b, m.type, msg::read<msg::Hop>(m).mb);
 }
 
 namespace {

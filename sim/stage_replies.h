@@ -99,9 +99,10 @@ enum class FetchFailure { kUnreachable, kNotHeld };
 // The answer to `req` when reference slot `slot` (held at `from`) could not be fetched.
 wire::Message fetch_error(const wire::Message& req, uint32_t slot, FetchFailure why, const std::string& from);
 
-// Whether a BACKWARD (or FORWARD_LOSS) of microbatch `mb` finds its forward's graph cached; a
-// FORWARD keeps one. Called by `reply`; exposed so the caller can time the work before it.
-bool has_graph(const StageBook& b, const wire::Message& m);
+// Whether a request of type `t` for microbatch `mb` is a BACKWARD that finds its forward's graph
+// cached (a FORWARD keeps one, in `reply`): so the caller can time the work before it.
+bool has_graph(const StageBook& b, wire::MsgType t, uint64_t mb);
+bool has_graph(const StageBook& b, const wire::Message& m);   // reads its body
 
 // The reply to a router request, or nullopt for a message without one (RELEASE, HEARTBEAT,
 // WELCOME, BYE, CHAOS). `fetched`: bytes fetched peer to peer per request slot (empty: none).

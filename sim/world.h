@@ -106,7 +106,9 @@ struct Event {
 struct Slot {
   wire::Message m;
   std::vector<int64_t> fetched;          // bytes fetched per request slot
-  std::optional<wire::Message> failure;
+  std::unique_ptr<wire::Message> failure;   // rare: boxed, so a slot moves cheaply
+  uint64_t mb = 0;                       // a hop's microbatch, its body read once as it arrives
+  std::optional<std::string> push_to;    // a hop's push_to
   double compute_s = 0;                  // what its work took
   std::string id;                        // the routing id it comes from or goes to
   double depart_s = 0;                   // when it left its sender
