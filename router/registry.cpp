@@ -148,12 +148,13 @@ const Peer* Registry::find(const PeerId& id) const { return by_id_.find(id); }
 // ---- PeerIndex ----
 
 Peer* PeerIndex::find(const PeerId& id) const {
+  if (last_ && last_->id == id) return last_;
   if (n_ == 0) return nullptr;
   const uint64_t h = std::hash<std::string>{}(id);
   for (size_t i = home(h);; i = (i + 1) & (slots_.size() - 1)) {
     const Slot& s = slots_[i];
     if (!s.peer) return nullptr;
-    if (s.hash == h && s.peer->id == id) return s.peer;
+    if (s.hash == h && s.peer->id == id) return last_ = s.peer;
   }
 }
 
@@ -173,6 +174,7 @@ void PeerIndex::insert(Peer* p) {
 }
 
 void PeerIndex::erase(const PeerId& id) {
+  last_ = nullptr;
   if (n_ == 0) return;
   const size_t mask = slots_.size() - 1;
   const uint64_t h = std::hash<std::string>{}(id);

@@ -19,8 +19,9 @@ msg::Hello hello(const std::string& name) {
 
 }  // namespace
 
-// A peer removed is not found, and one that says HELLO again under the same id is found as its
-// new record, with the others' records untouched.
+// A peer removed is not found (the index remembers its last hit: a removal forgets it), and one
+// that says HELLO again under the same id is found as its new record, with the others' records
+// untouched.
 TEST(Registry, FindNeverReturnsARemovedPeer) {
   Registry reg(500, 3);
   Peer& a = reg.add("p-a", hello("a"), 0);
