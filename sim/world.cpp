@@ -87,8 +87,10 @@ World::World(const Scenario& s, const SimOptions& o) : sc(s), opt(o), rng(o.seed
       peers.push_back(std::move(p));
     }
   }
-  for (const SimPeer& p : peers)
+  for (const SimPeer& p : peers) {
     if (!p.listen.empty()) by_listen[p.listen] = p.index;
+    peer_links.push_back({p.host.down.bps, p.host.latency_s});
+  }
   // What the peers send reaches the router at least their link's latency later; what the router
   // sends reaches a peer at least its own.
   router_side.lookahead_in = peers.empty() ? kNever : least_latency;
@@ -246,15 +248,15 @@ void World::router_line(nlohmann::json j) {
   cross(router_side, rnow + peers_side.lookahead_in, Ev::kLine, -1, std::move(s));
 }
 
-void World::send_to_peer(int p, const router::PeerId& to, wire::Message m) {
+void World::send_to_peer(int p, router::PeerId to, wire::Message m) {
   // The router's uplink here; the peer's downlink on its side (kFromRouterBulk) or, for a control
   // message that queues behind nothing, no work at all.
-  const Host& h = peers[size_t(p)].host;   // its latency and rates, which never change
+  const PeerLink& h = peer_links[size_t(p)];   // not peers[p]: the peers' thread writes there
   Slot s;
   s.bytes = message_bytes(m);
   s.m = std::move(m);
-  s.id = to;
-  const double dur = double(s.bytes) * 8.0 / std::min(router_host.up.bps, h.down.bps);
+  s.id = std::move(to);
+  const double dur = double(s.bytes) * 8.0 / std::min(router_host.up.bps, h.down_bps);
   router_host.up.bytes += s.bytes;
   if (s.bytes <= kControlBytes) return cross(router_side, rnow + dur + router_host.latency_s + h.latency_s, Ev::kToPeer, p, std::move(s));
   s.up_end = router_host.up.carry(rnow, dur) + router_host.latency_s;
@@ -283,7 +285,7 @@ void World::take(router::Actions actions) {
       }
       if (s->msg.type == wire::MsgType::kHeartbeat) heartbeats_out++;   // the router's liveness beat: a dead peer's send fails
       else msgs_from_router++;
-      send_to_peer(it->second, s->to, std::move(s->msg));
+      send_to_peer(it->second, std::move(s->to), std::move(s->msg));
     } else if (auto* l = std::get_if<router::Log>(&a)) {
       note_log(*l);
     } else if (auto* f = std::get_if<router::WriteFile>(&a)) {

@@ -140,13 +140,16 @@ struct Side {
   double wait_s = 0;                     // threads: wall time spent waiting for the other side
   bool done = false;                     // it takes nothing more
   double lookahead_in = 0;               // the least delay of anything the other side sends here [s]
+  std::vector<std::pair<Event, Slot>> outbox, received;   // threads: sent and not handed over; taken from inbox
   // Threads: cross-events land in `inbox` under `mu`; `bound` is a time this side takes no event
-  // before (published after its sends, read by the other side before it drains its inbox).
-  std::mutex mu;
+  // before (published after its sends, read by the other side before it drains its inbox). Each
+  // on cache lines of its own: the other thread reads `bound` while it waits, and it would
+  // otherwise take the line from this thread at every event it schedules.
+  alignas(64) std::mutex mu;
   std::vector<std::pair<Event, Slot>> inbox;
-  std::vector<std::pair<Event, Slot>> outbox, received;   // this thread's: sent and not handed over; taken from inbox
   std::atomic<bool> arrived{false};      // inbox is not empty
-  std::atomic<double> bound{0};
+  alignas(64) std::atomic<double> bound{0};
+  char pad_[64 - sizeof(std::atomic<double>)] = {};
 };
 
 struct SimPeer {
@@ -208,7 +211,7 @@ class World {
   template <class F>
   void call(const char* what, F&& f);    // one event into the core, timed under `what`; its actions carried out
   void take(router::Actions a);          // carries out the core's actions
-  void send_to_peer(int p, const router::PeerId& to, wire::Message m);
+  void send_to_peer(int p, router::PeerId to, wire::Message m);
   void core_message(int peer, const std::string& id, wire::Message m);
   void router_line(nlohmann::json j);    // a trace line, written by the peers' side
   void router_down(double down_s);
@@ -272,6 +275,10 @@ class World {
   double router_up_s = 0;                // when the running router started: what was sent before is lost
   bool router_alive = true;
   Host router_host;
+  struct PeerLink {
+    double down_bps = 0, latency_s = 0;
+  };
+  std::vector<PeerLink> peer_links;      // each peer's downlink rate and latency, which never change: the router's copy
   std::unordered_map<std::string, int> peer_by_id;   // routing ids the router has heard from -> peer
   std::map<std::string, std::string> files;                            // WriteFile, by path
   std::map<std::string, std::vector<std::shared_ptr<const Checkpoint>>> checkpoints;  // by dir, oldest first
