@@ -93,7 +93,7 @@ void EchoJob::advance(Ctx& c) {
     Flight f;
     f.index = uint64_t(taken_);
     Flight& in = flights_.add(uint64_t(taken_), std::move(f));
-    in.inputs[0].set(wire::share(payload_));
+    in.at[0].input.set(wire::share(payload_));
     taken_++;
   }
   flights_.dispatch(c);

@@ -56,10 +56,7 @@ void Flights::resent_hop(Ctx& c, const Flight& f, const Pending& pd, bool error,
 
 Flight& Flights::add(uint64_t key, Flight f) {
   const size_t S = size_t(cfg_.stages);
-  f.inputs.resize(S);
-  f.grads.resize(S);
-  f.fwd_peer.resize(S);
-  f.grad_peer.resize(S);
+  f.at.resize(S);
   auto [it, ok] = flights_.emplace(key, std::move(f));
   SWARM_CHECK(ok, "microbatch " + std::to_string(key) + " taken twice");
   where_.emplace(key, it);
@@ -134,25 +131,25 @@ void Flights::dispatch(Ctx& c) {
 
 Slot* Flights::slot_of(Flight& f, int slot) {
   const size_t s = size_t(f.stage);
-  if (slot == 0) return &f.inputs[s];
-  if (slot == 1 && f.kind == HopKind::kBackward) return &f.grads[s];
+  if (slot == 0) return &f.at[s].input;
+  if (slot == 1 && f.kind == HopKind::kBackward) return &f.at[s].grad;
   return nullptr;  // the targets: the router's own
 }
 
 void Flights::release_all(Ctx& c, Flight& f) {
-  for (Slot& s : f.inputs) c.drop(s);
-  for (Slot& s : f.grads) c.drop(s);
+  for (FlightStage& st : f.at) c.drop(st.input);
+  for (FlightStage& st : f.at) c.drop(st.grad);
 }
 
 bool Flights::repair(Flight& f) {
   const size_t s = size_t(f.stage);
-  if (!f.inputs[s].known() && !(s == 0 && cfg_.tokens)) {
+  if (!f.at[s].input.known() && !(s == 0 && cfg_.tokens)) {
     SWARM_CHECK(s > 0, "a microbatch lost its tokens");
     // The stage input is made again by the previous stage's forward; a backward resumes after it.
     if (f.kind == HopKind::kBackward) f.resume_stage = f.stage;
     f.stage--;
     f.kind = f.eval ? HopKind::kEval : HopKind::kForward;
-  } else if (f.kind == HopKind::kBackward && !f.grads[s].known()) {
+  } else if (f.kind == HopKind::kBackward && !f.at[s].grad.known()) {
     // The output gradient is made again by the next stage's backward (or loss).
     f.stage++;
     f.kind = f.stage == cfg_.stages - 1 ? HopKind::kForwardLoss : HopKind::kBackward;
@@ -168,14 +165,14 @@ bool Flights::repair(Flight& f) {
 }
 
 void Flights::on_peer_gone(const PeerId& peer) {
-  auto forget = [&](std::vector<Slot>& slots) {
-    for (Slot& s : slots)
-      if (const Held* h = s.held(); h && h->holder == peer) s.clear();
+  auto forget = [&](Slot& s) {
+    if (const Held* h = s.held(); h && h->holder == peer) s.clear();
   };
-  for (auto& [key, f] : flights_) {
-    forget(f.inputs);
-    forget(f.grads);
-  }
+  for (auto& [key, f] : flights_)
+    for (FlightStage& st : f.at) {
+      forget(st.input);
+      forget(st.grad);
+    }
 }
 
 // Every ready peer of the stage, or in a large stage a seeded sample of them (the draws are a
@@ -188,8 +185,8 @@ std::vector<Peer*> Flights::candidates(Ctx& c, const Flight& f) {
     if (c.peers.ready_count(cfg_.job, f.stage) <= kSampleAbove) return c.peers.stage_peers(cfg_.job, f.stage, c.now);
     const uint64_t stream = (uint64_t(f.stage) << 32) | (uint64_t(f.kind) << 24) | uint64_t(f.attempts);
     std::vector<Peer*> out = c.peers.sample_ready(cfg_.job, f.stage, c.now, kSampled, [&](uint64_t i) { return counter_draw(cfg_.job, f.index, i, stream); });
-    if (f.kind == HopKind::kBackward && !f.fwd_peer[size_t(f.stage)].empty()) {
-      Peer* holder = c.peers.find(f.fwd_peer[size_t(f.stage)]);
+    if (f.kind == HopKind::kBackward && !f.at[size_t(f.stage)].fwd_peer.empty()) {
+      Peer* holder = c.peers.find(f.at[size_t(f.stage)].fwd_peer);
       if (holder && holder->job_id == cfg_.job && holder->stage == f.stage && holder->state == PeerState::kReady &&
           c.now >= holder->unresponsive_until_s && std::find(out.begin(), out.end(), holder) == out.end())
         out.push_back(holder);
@@ -213,7 +210,7 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   bool room = false;   // a peer with room, eligible or not (it may have failed this hop)
   // The peer keeping this microbatch's forward graph, compared by record: the candidates' ids
   // stay unread.
-  const Peer* affine = f.kind == HopKind::kBackward && !f.fwd_peer[size_t(f.stage)].empty() ? c.peers.find(f.fwd_peer[size_t(f.stage)]) : nullptr;
+  const Peer* affine = f.kind == HopKind::kBackward && !f.at[size_t(f.stage)].fwd_peer.empty() ? c.peers.find(f.at[size_t(f.stage)].fwd_peer) : nullptr;
   auto describe = [&] {
     size_t tried_live = 0;
     if (!f.tried.empty())
@@ -281,24 +278,24 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   if (s == 0 && cfg_.tokens) {
     m.tensors.push_back(cfg_.tokens(f.index, f.eval, false));
   } else {
-    c.attach(m, f.inputs[s], 0);
+    c.attach(m, f.at[s].input, 0);
     // A backward on the peer of the forward finds its input there (it fetched it, or it was pushed).
-    if (!(f.kind == HopKind::kBackward && f.fwd_peer[s] == p.id)) push(c, f, f.inputs[s], p, m);
+    if (!(f.kind == HopKind::kBackward && f.at[s].fwd_peer == p.id)) push(c, f, f.at[s].input, p, m);
   }
   if (cfg_.tokens && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last))) m.tensors.push_back(cfg_.tokens(f.index, f.eval, true));
   if (f.kind == HopKind::kBackward) {
-    c.attach(m, f.grads[s], 1);
-    push(c, f, f.grads[s], p, m);
+    c.attach(m, f.at[s].grad, 1);
+    push(c, f, f.at[s].grad, p, m);
   }
   if (!f.eval && !cfg_.echo) {
     // Bytes through the router count here; bytes fetched peer to peer when the receiver reports them.
-    if (f.stage > 0 && f.inputs[s].tensor()) {
-      bytes_act += f.inputs[s].wire_bytes();
-      bytes_relayed += f.inputs[s].wire_bytes();
+    if (f.stage > 0 && f.at[s].input.tensor()) {
+      bytes_act += f.at[s].input.wire_bytes();
+      bytes_relayed += f.at[s].input.wire_bytes();
     }
-    if (f.kind == HopKind::kBackward && f.grads[s].tensor()) {
-      bytes_grad += f.grads[s].wire_bytes();
-      bytes_relayed += f.grads[s].wire_bytes();
+    if (f.kind == HopKind::kBackward && f.at[s].grad.tensor()) {
+      bytes_grad += f.at[s].grad.wire_bytes();
+      bytes_relayed += f.at[s].grad.wire_bytes();
     }
   }
   // Deadline: a generous multiple of what this peer should need, within the job's bounds.
@@ -330,7 +327,7 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
 
 Peer* Flights::ahead_target(Ctx& c, const Flight& f, const Peer& to) {
   if (f.eval || f.stage == 0 || (f.kind != HopKind::kBackward && f.kind != HopKind::kForwardLoss)) return nullptr;
-  Peer* q = c.peers.find(f.fwd_peer[size_t(f.stage - 1)]);
+  Peer* q = c.peers.find(f.at[size_t(f.stage - 1)].fwd_peer);
   if (!q || q == &to || q->job_id != cfg_.job || q->stage != f.stage - 1 || q->state != PeerState::kReady || !q->can_hold() || q->no_push)
     return nullptr;
   return q;
@@ -448,9 +445,9 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   if (r.fetched && !f.eval && !cfg_.echo) {
     // What the receiver fetched peer to peer, at most the tensor's size (its word is only a figure).
     const std::vector<int64_t>& got = *r.fetched;
-    if (got.size() > 0 && f.stage > 0 && f.inputs[s].held()) bytes_act += std::min<uint64_t>(uint64_t(got[0]), f.inputs[s].wire_bytes());
-    if (got.size() > 1 && f.kind == HopKind::kBackward && f.grads[s].held())
-      bytes_grad += std::min<uint64_t>(uint64_t(got[1]), f.grads[s].wire_bytes());
+    if (got.size() > 0 && f.stage > 0 && f.at[s].input.held()) bytes_act += std::min<uint64_t>(uint64_t(got[0]), f.at[s].input.wire_bytes());
+    if (got.size() > 1 && f.kind == HopKind::kBackward && f.at[s].grad.held())
+      bytes_grad += std::min<uint64_t>(uint64_t(got[1]), f.at[s].grad.wire_bytes());
   }
   // The hop's output: its bytes (kept here), or a reference to the peer that holds it.
   auto take = [&]() { return Ctx::take_reply_tensor(p.id, pd.id, m, 0); };
@@ -474,12 +471,12 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
         out.loss = *r.loss;
         return complete(HopOutcome::kEvalDone);
       }
-      put(f.inputs[s + 1], take());
+      put(f.at[s + 1].input, take());
       f.stage++;
       break;
     case HopKind::kForward:
-      f.fwd_peer[s] = p.id;
-      put(f.inputs[s + 1], take());
+      f.at[s].fwd_peer = p.id;
+      put(f.at[s + 1].input, take());
       f.stage++;
       if (f.resume_stage == f.stage) {
         // The stage input a backward lost is made again: the backward carries on.
@@ -494,8 +491,8 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       f.loss_recorded = true;
       out.trained_stage = f.stage;
       if (cfg_.stages == 1) return complete(HopOutcome::kCompleted);
-      put(f.grads[s - 1], take());
-      f.grad_peer[s - 1] = p.id;
+      put(f.at[s - 1].grad, take());
+      f.at[s - 1].grad_peer = p.id;
       f.stage--;
       f.kind = HopKind::kBackward;
       break;
@@ -506,8 +503,8 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       backward_units_[s] = 0.95 * backward_units_[s] + 0.05 * done;
       out.trained_stage = f.stage;
       if (f.stage == 0) return complete(HopOutcome::kCompleted);
-      put(f.grads[s - 1], take());
-      f.grad_peer[s - 1] = p.id;
+      put(f.at[s - 1].grad, take());
+      f.at[s - 1].grad_peer = p.id;
       f.stage--;
       break;
     }
@@ -529,8 +526,8 @@ HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_ten
   // Who made the tensor the receiver rejected: the previous stage's forward for a stage input,
   // the next stage's backward for an output gradient. Tokens and targets come from the router.
   PeerId producer;
-  if (bad_tensor == 0 && f.stage > 0 && f.kind != HopKind::kBackward) producer = f.fwd_peer[size_t(f.stage - 1)];
-  if (bad_tensor == 1 && f.kind == HopKind::kBackward) producer = f.grad_peer[size_t(f.stage)];
+  if (bad_tensor == 0 && f.stage > 0 && f.kind != HopKind::kBackward) producer = f.at[size_t(f.stage - 1)].fwd_peer;
+  if (bad_tensor == 1 && f.kind == HopKind::kBackward) producer = f.at[size_t(f.stage)].grad_peer;
   if (!producer.empty()) {
     const bool second_opinion = f.suspect_tensor == bad_tensor && f.suspect_reporter != pd.peer;
     bool others = false;
@@ -646,11 +643,11 @@ void Flights::on_upload_failed(Ctx& c, const Pending& pd) {
 void Flights::go_back(Ctx& c, Flight& f, int bad) {
   const size_t s = size_t(f.stage);
   if (bad == 0) {
-    c.drop(f.inputs[s]);
+    c.drop(f.at[s].input);
     f.stage--;
     f.kind = f.eval ? HopKind::kEval : HopKind::kForward;
   } else {
-    c.drop(f.grads[s]);
+    c.drop(f.at[s].grad);
     f.stage++;
     f.kind = f.stage == cfg_.stages - 1 ? HopKind::kForwardLoss : HopKind::kBackward;
   }
@@ -672,7 +669,7 @@ void Flights::check(const Requests& r) const {
       SWARM_CHECK(w != q.end() && w->second == &f, "microbatch " + std::to_string(key) + " waits but is not in its stage's queue");
     }
     SWARM_CHECK(f.stage >= 0 && f.stage < cfg_.stages, "flight at a stage outside the job");
-    SWARM_CHECK(cfg_.tokens || f.inputs[0].tensor() != nullptr, "flight without its tokens");
+    SWARM_CHECK(cfg_.tokens || f.at[0].input.tensor() != nullptr, "flight without its tokens");
     SWARM_CHECK(f.req_id == 0 || f.upload_req == 0, "a flight both sent and relaying a tensor");
     if (f.upload_req != 0) {
       const Pending* pd = r.find(f.upload_req);
