@@ -49,6 +49,7 @@ void World::join(int i) {
   // Its affinity cache is sized, at each LOAD_STAGE, to the memory its HELLO says it has.
   p.book.memory_bytes = sc.groups[size_t(p.group)].says_memory ? p.dev.memory_bytes : -1;
   p.book.cuda = p.dev.cuda;
+  p.book.listen = p.listen;
   p.book.precision = parse_precision(p.dev.precision);
   p.quirks = Quirks{};
   p.slow = 1;

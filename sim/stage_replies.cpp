@@ -41,8 +41,10 @@ double work_units(MsgType t, bool cached) {
 
 std::vector<const wire::TensorRef*> to_fetch(const StageBook& b, const wire::Message& m) {
   std::vector<const wire::TensorRef*> out;
-  for (const wire::TensorRef& r : m.refs)
-    if (!b.held.count(r.key) && !b.copies.count(r.key)) out.push_back(&r);  // what it made or fetched before is at hand
+  for (const wire::TensorRef& r : m.refs) {
+    const bool mine = b.listen.empty() || r.from == b.listen;   // only what it made can be among what it holds
+    if (!(mine && b.held.count(r.key)) && !b.copies.count(r.key)) out.push_back(&r);  // what it made or fetched before is at hand
+  }
   return out;
 }
 
@@ -152,8 +154,7 @@ wire::Message hop(StageBook& b, const wire::Message& m, const std::vector<int64_
   msg::Result r;
   r.mb = h.mb;
   r.stage = h.stage;
-  for (int64_t n : fetched)
-    if (n > 0) r.fetched = fetched;
+  if (std::any_of(fetched.begin(), fetched.end(), [](int64_t n) { return n > 0; })) r.fetched = fetched;
   r.compute_ms = compute_ms / std::max(1e-9, q.claim_factor);
   const bool last = h.stage == s.partition.stages - 1;
   wire::Message rep;

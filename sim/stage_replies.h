@@ -45,8 +45,10 @@ struct StageBook {
   uint64_t job = 0;
   int stage = -1;
   compression::CodecSpec act_codec, grad_codec;   // what its hops answer in (bound to the model for subspace)
-  // Peer to peer: the tensors of the replies it was asked to hold, by request id.
+  // Peer to peer: the tensors of the replies it was asked to hold, by request id, and the address
+  // others fetch them from (a reference from elsewhere is not looked for among them; "": any).
   FlatMap<std::vector<wire::Tensor>> held;
+  std::string listen;
   uint64_t held_bytes = 0;       // what `held` keeps [bytes]
   uint64_t released = 0;         // holdings dropped on RELEASE
   // Copies of what it fetched or was pushed (their bytes, by key), so a BACKWARD that comes back

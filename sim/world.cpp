@@ -43,6 +43,37 @@ void relax() {
 
 }  // namespace
 
+void EventQueue::push(const Event& e) {
+  heap_.push_back(e);
+  size_t i = heap_.size() - 1;
+  while (i > 0) {
+    const size_t parent = (i - 1) / 4;
+    if (!(heap_[parent] > e)) break;
+    heap_[i] = heap_[parent];
+    i = parent;
+  }
+  heap_[i] = e;
+}
+
+void EventQueue::pop() {
+  const Event last = heap_.back();
+  heap_.pop_back();
+  const size_t n = heap_.size();
+  if (n == 0) return;
+  size_t i = 0;
+  for (;;) {
+    const size_t first = 4 * i + 1;
+    if (first >= n) break;
+    size_t least = first;
+    for (size_t c = first + 1; c < std::min(first + 4, n); ++c)
+      if (heap_[least] > heap_[c]) least = c;
+    if (!(last > heap_[least])) break;
+    heap_[i] = heap_[least];
+    i = least;
+  }
+  heap_[i] = last;
+}
+
 uint32_t SlotPool::put(Slot s) {
   uint32_t i;
   if (!free_.empty()) {
