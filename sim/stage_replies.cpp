@@ -261,9 +261,12 @@ std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const s
     }
     case MsgType::kRelease:
       for (int64_t key : msg::read<msg::Release>(m).keys) {
-        drop_copy(b, uint64_t(key));   // its copy_order entry goes when it comes up
         const std::vector<wire::Tensor>* held = b.held.find(uint64_t(key));
-        if (!held) continue;
+        if (!held) {
+          drop_copy(b, uint64_t(key));   // its copy_order entry goes when it comes up
+          continue;
+        }
+        // What it made was never fetched here, so no copy of it is kept.
         for (const wire::Tensor& t : *held) b.held_bytes -= std::min<uint64_t>(b.held_bytes, t.desc.nbytes);
         b.held.erase(uint64_t(key));
         b.released++;
