@@ -92,7 +92,8 @@ class PeerIndex {
   std::vector<Slot> slots_;        // a power of two in size, or empty
   size_t n_ = 0;
   // The last peer found: a message's sender is looked up again as it is handled, and a hop's
-  // holder as its references are attached and pushed. Null after any erase.
+  // holder as its references are attached and pushed. Null after any erase. A lookup writes it,
+  // so find() is not for concurrent readers: the router calls its core from one thread.
   mutable Peer* last_ = nullptr;
   size_t home(uint64_t h) const { return size_t(h) & (slots_.size() - 1); }
 };
