@@ -164,7 +164,6 @@ struct Side {
   std::vector<std::pair<Event, Slot>> inbox;
   std::atomic<bool> arrived{false};      // inbox is not empty
   alignas(64) std::atomic<double> bound{0};
-  char pad_[64 - sizeof(std::atomic<double>)] = {};
 };
 
 struct SimPeer {
