@@ -141,6 +141,23 @@ void Flights::release_all(Ctx& c, Flight& f) {
   for (FlightStage& st : f.at) c.drop(st.grad);
 }
 
+// A stage's input is fetched (or pushed) by the peer of its forward, and again by the peer of its
+// backward when that is another; the gradient of its output by the peer of its backward. Each
+// keeps a copy (msg::Hop::keeps_copies) until a RELEASE names it or its time to live passes (the
+// stage server's cache_ttl_s). Once the stage's backward is done, nothing needs them: a tensor
+// made again later is fetched from its holder, which keeps it until the microbatch completes.
+void Flights::release_copies(Ctx& c, const Flight& f, Peer& p) {
+  const FlightStage& st = f.at[size_t(f.stage)];
+  auto release = [&](Peer& at, const Slot& s) {
+    const Held* h = s.held();
+    if (h && at.id != h->holder) c.release(at, h->key);
+  };
+  release(p, st.input);
+  release(p, st.grad);
+  if (!st.fwd_peer.empty() && st.fwd_peer != p.id)
+    if (Peer* q = c.peers.find(st.fwd_peer)) release(*q, st.input);
+}
+
 bool Flights::repair(Flight& f) {
   const size_t s = size_t(f.stage);
   if (!f.at[s].input.known() && !(s == 0 && cfg_.tokens)) {
@@ -490,6 +507,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       if (!f.loss_recorded) out.loss = *r.loss;
       f.loss_recorded = true;
       out.trained_stage = f.stage;
+      release_copies(c, f, p);
       if (cfg_.stages == 1) return complete(HopOutcome::kCompleted);
       put(f.at[s - 1].grad, take());
       f.at[s - 1].grad_peer = p.id;
@@ -502,6 +520,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       const double done = r.cached ? (*r.cached ? kBackwardCachedUnits : kBackwardRecomputeUnits) : pd.units;
       backward_units_[s] = 0.95 * backward_units_[s] + 0.05 * done;
       out.trained_stage = f.stage;
+      release_copies(c, f, p);
       if (f.stage == 0) return complete(HopOutcome::kCompleted);
       put(f.at[s - 1].grad, take());
       f.at[s - 1].grad_peer = p.id;

@@ -214,6 +214,9 @@ class Flights {
   bool repair(Flight& f);
   Slot* slot_of(Flight& f, int slot);
   void release_all(Ctx& c, Flight& f);
+  // Stage f.stage's backward (or loss) is done on `p`: the copies of the stage's input and output
+  // gradient that `p` and the peer of the stage's forward kept.
+  void release_copies(Ctx& c, const Flight& f, Peer& p);
   const char* kind_label(const Flight& f) const { return cfg_.echo ? "echo" : hop_kind_name(f.kind); }
   // A hop that failed and goes out again: counted, and on the timeline.
   void resent_hop(Ctx& c, const Flight& f, const Pending& pd, bool error, const std::string& why);

@@ -212,6 +212,11 @@ struct Hop {
   // Peer to peer, with hold: push the output to this listen address (its key `push_to_key` under
   // CURVE) as soon as it is made, as PUSH would: the peer the router expects to take the next hop.
   std::optional<std::string> push_to, push_to_key;
+  // Training hops: a stage server keeps a copy of each tensor it fetched (or was pushed) for one,
+  // so that a BACKWARD that comes back to the peer of its forward finds its input there, until
+  // the router RELEASEs it with the microbatch's other tensors. What an EVAL or a round fetched
+  // is used once, and not kept.
+  static bool keeps_copies(MsgType t) { return t == MsgType::kForward || t == MsgType::kForwardLoss || t == MsgType::kBackward; }
   template <class V>
   void visit(V& v) {
     v.field("eval", eval, kOptional);

@@ -164,6 +164,7 @@ void World::peer_receives(int i, wire::Message m) {
   double whole = now, failed_at = 1e300;
   // As PeerLink waits: --fetch-timeout-s, or less where the request asks.
   const double window = timing::fetch_window_s(kFetchTimeoutS, s.m.fetch_within_ms);
+  const bool copies = msg::Hop::keeps_copies(s.m.type);
   for (const wire::TensorRef* ref : to_fetch(p.book, s.m)) {
     auto it = by_listen.find(ref->from);
     SimPeer* h = it == by_listen.end() ? nullptr : &peers[size_t(it->second)];
@@ -173,7 +174,7 @@ void World::peer_receives(int i, wire::Message m) {
       // Pushed here: it arrives (or has) without being asked for.
       pushes_used++;
       s.fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
-      keep_copy(p.book, ref->key, ref->desc.nbytes);
+      if (copies) keep_copy(p.book, ref->key, ref->desc.nbytes);
       whole = std::max(whole, *in);
       p.book.incoming.erase(ref->key);
       continue;
@@ -196,7 +197,7 @@ void World::peer_receives(int i, wire::Message m) {
       } else {
         done = transfer(h->host, p.host, ref->desc.nbytes, answers);
         s.fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
-        keep_copy(p.book, ref->key, ref->desc.nbytes);
+        if (copies) keep_copy(p.book, ref->key, ref->desc.nbytes);
       }
     }
     if (why) {

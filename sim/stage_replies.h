@@ -51,10 +51,12 @@ struct StageBook {
   std::string listen;
   uint64_t held_bytes = 0;       // what `held` keeps [bytes]
   uint64_t released = 0;         // holdings dropped on RELEASE
-  // Copies of what it fetched or was pushed (their bytes, by key), so a BACKWARD that comes back
-  // to the peer of the forward fetches nothing. Bounded as stages/holdings.h bounds them: the
-  // oldest go once what it holds and its copies pass hold_bytes (swarm-stage --hold-mb's
-  // default); their time to live (--cache-ttl-s) is not modelled.
+  // Copies of what its training hops fetched or were pushed (their bytes, by key;
+  // msg::Hop::keeps_copies), so a BACKWARD that comes back to the peer of the forward fetches
+  // nothing; a RELEASE drops them, as the router sends once the stage's backward is done. Bounded
+  // as stages/holdings.h bounds them: the oldest go once what it holds and its copies pass
+  // hold_bytes (swarm-stage --hold-mb's default); their time to live (--cache-ttl-s) is not
+  // modelled.
   FlatMap<uint64_t> copies;
   std::vector<uint64_t> copy_order;   // oldest first from copy_head; keys released since stay until they come up
   size_t copy_head = 0;

@@ -341,7 +341,7 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
       std::vector<wire::Tensor> got;
       for (auto& t : w.got) got.push_back(std::move(*t));
       // Copies of what came from elsewhere, for a BACKWARD that comes back here.
-      for (size_t i = 0; i < w.msg.refs.size(); ++i)
+      for (size_t i = 0; i < w.msg.refs.size() && msg::Hop::keeps_copies(w.msg.type); ++i)
         if (r.fetched[w.msg.refs[i].slot] > 0) holdings_.put(w.msg.refs[i].key, w.msg.refs[i].part, wire::share(got[i]), true, now);
       wire::resolve(w.msg, std::move(got));  // every tensor was checked against its reference on arrival
     }

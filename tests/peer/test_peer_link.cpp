@@ -100,6 +100,17 @@ TEST(PeerLink, ARequestIsWholeOnceEveryReferenceIsFetchedFromItsHolder) {
   out = p.link.take(0);
   ASSERT_EQ(out.size(), 1u);
   EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{0, 0}));
+  // Until the router releases it with its microbatch.
+  p.mine.release(10);
+  p.mine.release(11);
+  // What an EVAL fetched is used once: no copy.
+  wire::Message eval = request_with_refs(p.holder.address(), da, db);
+  eval.type = wire::MsgType::kEval;
+  p.link.resolve(std::move(eval), 7, 0);
+  out = pump(p.holder, p.link);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{4000, 2000}));
+  EXPECT_EQ(p.mine.size(), 0u);
 }
 
 // Both ends listen, as peers that hold do: the router may ask the holder to push.
@@ -295,6 +306,9 @@ TEST(Holdings, CopiesGoFirstThenTheOldestWhenFullAndEverythingExpires) {
   EXPECT_TRUE(h.get(5, 0));
   h.release(5);
   EXPECT_FALSE(h.get(5, 0));
+  h.put(30, 0, floats(100, 0), true, 106);  // a copy goes on RELEASE as well
+  h.release(30);
+  EXPECT_FALSE(h.get(30, 0));
 }
 
 TEST(Holdings, AShareIsZeroCopy) {

@@ -896,6 +896,12 @@ size_t held_total(const FakeSwarm& f) {
   return n;
 }
 
+size_t copies_total(const FakeSwarm& f) {
+  size_t n = 0;
+  for (const auto& [id, p] : f.peers) n += p.book.copies.size();
+  return n;
+}
+
 TEST(CoreP2p, ActivationsAndGradientsGoPeerToPeerAndEveryHeldTensorIsReleased) {
   FakeSwarm f;
   three_by_two_p2p(f);
@@ -914,8 +920,10 @@ TEST(CoreP2p, ActivationsAndGradientsGoPeerToPeerAndEveryHeldTensorIsReleased) {
   // ...yet every hop's tensors were moved and counted, as the receivers fetched them.
   EXPECT_GT(st["wire_bytes"]["activations"].get<uint64_t>(), 0u);
   EXPECT_GT(st["wire_bytes"]["gradients"].get<uint64_t>(), 0u);
-  // Nothing is left held anywhere once the job is done.
+  // Nothing is left held anywhere once the job is done, nor any copy a receiver kept of what it
+  // fetched (the stage server would otherwise keep those for cache_ttl_s).
   EXPECT_EQ(held_total(f), 0u);
+  EXPECT_EQ(copies_total(f), 0u);
   uint64_t released = 0;
   for (const auto& [id, p] : f.peers) released += p.book.released;
   EXPECT_GT(released, 0u);

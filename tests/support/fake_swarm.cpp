@@ -186,6 +186,7 @@ std::optional<wire::Message> FakeSwarm::fetch(FakePeer& p, const wire::Message& 
       if (h->book.held.count(ref->key)) {
         fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
         p.fetched_bytes += ref->desc.wire_bytes();
+        if (msg::Hop::keeps_copies(m.type)) sim::keep_copy(p.book, ref->key, ref->desc.nbytes);   // as a stage server does
         continue;
       }
       why = sim::FetchFailure::kNotHeld;
