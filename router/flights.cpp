@@ -142,10 +142,12 @@ void Flights::release_all(Ctx& c, Flight& f) {
 }
 
 // A stage's input is fetched (or pushed) by the peer of its forward, and again by the peer of its
-// backward when that is another; the gradient of its output by the peer of its backward. Each
-// keeps a copy (msg::Hop::keeps_copies) until a RELEASE names it or its time to live passes (the
-// stage server's cache_ttl_s). Once the stage's backward is done, nothing needs them: a tensor
-// made again later is fetched from its holder, which keeps it until the microbatch completes.
+// backward when that is another; the gradient of its output by the peer of its backward, and
+// pushed ahead to the peer of its forward (ahead_target) even when the backward goes elsewhere.
+// Each keeps a copy (msg::Hop::keeps_copies) until a RELEASE names it or its time to live passes
+// (the stage server's cache_ttl_s). Once the stage's backward is done, nothing needs them: a
+// tensor made again later is fetched from its holder, which keeps it until the microbatch
+// completes.
 void Flights::release_copies(Ctx& c, const Flight& f, Peer& p) {
   const FlightStage& st = f.at[size_t(f.stage)];
   auto release = [&](Peer& at, const Slot& s) {
@@ -154,8 +156,12 @@ void Flights::release_copies(Ctx& c, const Flight& f, Peer& p) {
   };
   release(p, st.input);
   release(p, st.grad);
-  if (!st.fwd_peer.empty() && st.fwd_peer != p.id)
-    if (Peer* q = c.peers.find(st.fwd_peer)) release(*q, st.input);
+  if (!st.fwd_peer.empty() && st.fwd_peer != p.id) {
+    if (Peer* q = c.peers.find(st.fwd_peer)) {
+      release(*q, st.input);
+      release(*q, st.grad);
+    }
+  }
 }
 
 bool Flights::repair(Flight& f) {

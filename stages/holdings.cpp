@@ -27,6 +27,10 @@ void Holdings::release(uint64_t key) {
   }
 }
 
+void Holdings::drop(uint64_t key, uint32_t part) {
+  if (auto it = entries_.find(Key{key, part}); it != entries_.end()) erase(it);
+}
+
 void Holdings::clear() {
   entries_.clear();
   bytes_ = 0;

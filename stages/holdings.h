@@ -33,6 +33,8 @@ class Holdings {
   std::optional<wire::Tensor> get(uint64_t key, uint32_t part);
   // Every part of `key`.
   void release(uint64_t key);
+  // One part of `key`.
+  void drop(uint64_t key, uint32_t part);
   void clear();
   // Drops entries past their time to live.
   void expire(double now);

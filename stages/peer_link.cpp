@@ -218,6 +218,8 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
       if (auto e = early_.find({r.key, r.part}); e != early_.end()) {
         w.fetched[r.slot] += int64_t(e->second);   // pushed before the request came: it crossed a link for it
         early_.erase(e);
+        // Kept for this request alone: an EVAL or a round uses it once.
+        if (!msg::Hop::keeps_copies(w.msg.type)) holdings_.drop(r.key, r.part);
       }
       w.missing--;
       continue;

@@ -175,6 +175,27 @@ TEST(PeerLink, PushedTensorsMakeARequestWholeWithoutAFetch) {
   ASSERT_FALSE(out[0].error);
   EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{800}));
   EXPECT_EQ(p.link.fetches, 0u);
+  EXPECT_TRUE(p.mine.get(12, 0).has_value());   // a training hop's: until the router releases it
+
+  // An EVAL uses what was pushed to it once: the copy goes as the request takes it.
+  wire::Tensor e = floats(100, 4);
+  const wire::TensorDesc de = e.desc;
+  p.held.put(13, 0, std::move(e), false, 0);
+  p.holder.push(push_of(13, p.link.address()), 0);
+  for (int i = 0; i < 400 && p.link.pushed_in < 4; ++i) pump(p.holder, p.link, 0.005);
+  ASSERT_EQ(p.link.pushed_in, 4u);
+  ASSERT_TRUE(p.mine.get(13, 0).has_value());
+  wire::Message eval = request_with_refs(p.holder.address(), de, de);
+  eval.type = wire::MsgType::kEval;
+  eval.refs.resize(1);
+  eval.refs[0].key = 13;
+  eval.refs[0].pushed = true;
+  p.link.resolve(std::move(eval), 7, 0);
+  out = p.link.take(0);
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_FALSE(out[0].error);
+  EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{400}));
+  EXPECT_FALSE(p.mine.get(13, 0).has_value());
 }
 
 // A push that does not come (its holder could not reach this peer, or no longer had it) is

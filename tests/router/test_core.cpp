@@ -929,6 +929,51 @@ TEST(CoreP2p, ActivationsAndGradientsGoPeerToPeerAndEveryHeldTensorIsReleased) {
   EXPECT_GT(released, 0u);
 }
 
+// A backward's gradient is pushed ahead to the peer of the forward before it (Hop.push_to), and
+// the backward there may still go to another peer: the copy pushed ahead is released where it
+// went all the same, once that backward is done, not left for the stage server's cache_ttl_s.
+TEST(CoreP2p, AGradientPushedAheadIsReleasedWhereItWentEvenWhenTheBackwardRanElsewhere) {
+  FakeSwarm f;
+  const std::vector<PeerId> ids = three_by_two_p2p(f);
+  // b0 takes forwards, then goes silent at its first backward, which is sent again to b1.
+  f.peers.at(ids[2]).silent_from = MsgType::kBackward;
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 8));
+  ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
+  f.run(0.3);  // the last RELEASEs go out within a quarter of a second
+  std::map<std::string, PeerId> by_listen;
+  std::map<std::pair<uint64_t, int64_t>, PeerId> backward_at;   // (mb, stage) -> the peer of its backward
+  std::map<PeerId, std::set<int64_t>> released;
+  std::set<int64_t> used;   // replies a backward took (an unanswered request made nothing to push)
+  for (const auto& [id, p] : f.peers) {
+    by_listen[p.listen] = id;
+    for (const auto& m : p.received) {
+      if (m.type == MsgType::kBackward) {
+        const msg::Hop h = msg::read<msg::Hop>(m);
+        backward_at[{h.mb, h.stage}] = id;
+        for (const auto& r : m.refs) used.insert(int64_t(r.key));
+      }
+      if (m.type == MsgType::kRelease)
+        for (int64_t k : msg::read<msg::Release>(m).keys) released[id].insert(k);
+    }
+  }
+  size_t ahead = 0, elsewhere = 0;
+  for (const auto& [id, p] : f.peers)
+    for (const auto& m : p.received) {
+      if (m.type != MsgType::kBackward && m.type != MsgType::kForwardLoss) continue;
+      const msg::Hop h = msg::read<msg::Hop>(m);
+      if (!h.push_to || !used.count(int64_t(m.id))) continue;
+      ASSERT_TRUE(by_listen.count(*h.push_to)) << *h.push_to;
+      const PeerId to = by_listen[*h.push_to];
+      ahead++;
+      // The request's reply is the gradient pushed, under the request's id.
+      EXPECT_TRUE(released[to].count(int64_t(m.id))) << "mb " << h.mb << " stage " << h.stage << " pushed to " << to;
+      auto b = backward_at.find({h.mb, h.stage - 1});
+      if (b != backward_at.end() && b->second != to) elsewhere++;
+    }
+  EXPECT_GT(ahead, 0u);
+  EXPECT_GT(elsewhere, 0u) << "no backward ran away from the peer its gradient was pushed to: the case is not covered";
+}
+
 // A hop's holder is told to push the tensor to the receiver (PUSH) as the hop goes out, and the
 // reference says so; except the input of a backward on the peer of its forward, which has it.
 // A backward's gradient is pushed as soon as it is made, to the peer of the forward before it
