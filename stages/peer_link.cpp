@@ -172,7 +172,8 @@ void PeerLink::on_push(wire::Message& m, double now) {
       used = true;
     }
   }
-  if (used) return;
+  const bool given_up = late_.erase({f.key, uint32_t(f.part)}) > 0;
+  if (used || given_up) return;
   early_[{f.key, uint32_t(f.part)}] = t.desc.wire_bytes();
   if (early_.size() > kMaxEarly) early_.erase(early_.begin());
   holdings_.put(f.key, uint32_t(f.part), std::move(t), true, now);
@@ -317,6 +318,8 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
       if (w.push_until[i] > 0 && !w.got[i] && now >= w.push_until[i]) {
         push_late++;
         w.push_late++;
+        late_.insert({w.msg.refs[i].key, w.msg.refs[i].part});
+        if (late_.size() > kMaxEarly) late_.erase(late_.begin());
         fetch(it->first, w, i, now);
       }
     if (!w.error && w.missing > 0 && now > w.deadline) {

@@ -142,6 +142,9 @@ class PeerLink {
   // Pushes that came before their request, kept as copies: their wire bytes, by (key, part), so
   // the request reports them as fetched (the oldest forgotten past kMaxEarly).
   std::map<std::pair<uint64_t, uint32_t>, uint64_t> early_;
+  // Pushes given up on and fetched instead: one that still comes is not kept (its request has
+  // what it needs, and the router may have released the copy already). Bounded as early_.
+  std::set<std::pair<uint64_t, uint32_t>> late_;
   static constexpr size_t kMaxEarly = 4096;
   uint64_t next_fetch_ = 1;
 };

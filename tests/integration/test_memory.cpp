@@ -1,11 +1,13 @@
 // test_memory.cpp: a stage server told it has little memory (swarm-stage --memory-mb) keeps only
 // the forward graphs that fit in its affinity cache, says so in HELLO, in its heartbeats, on
 // /metrics and in its log, and the swarm still trains to the end with nothing lost: the
-// backwards whose graphs were not kept recompute their forwards.
+// backwards whose graphs were not kept recompute their forwards. And what stage servers keep for
+// one another peer to peer is all released by the end of a job.
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -79,4 +81,55 @@ TEST(Memory, APeerWithLittleMemoryCachesWhatFitsAndTheSwarmStillTrains) {
   std::ifstream log(swarm.log_dir() + "/small.log");
   const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("affinity cache: 1 graph(s)"), std::string::npos) << text;
+}
+
+// Peer to peer, a stage server keeps what it made for others to fetch, and a copy of what its
+// training hops fetched or were pushed (a BACKWARD that comes back to the peer of its forward
+// finds its input there). The router releases all of it as the microbatches' stages are done, so
+// once the job ends the servers hold nothing: not the copies (they would otherwise wait for
+// --cache-ttl-s, 120 s, hundreds of tensors a server on the bundled example), not a gradient pushed
+// ahead to a peer whose backward went elsewhere, not what an EVAL was pushed.
+TEST(Memory, StageServersHoldNothingOnceTheirJobIsDone) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  json job = tiny_job(data, 2, 40, "async");
+  job["eval"] = {{"every_steps", 10}, {"batches", 4}};
+  LocalSwarm swarm(dir, kBuild);
+  swarm.start_router();
+  for (int s = 0; s < 2; ++s)
+    for (int i = 0; i < 2; ++i) swarm.start_stage(s, "s" + std::to_string(s) + "-" + std::to_string(i), 1, {"--http", "127.0.0.1:0"});
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, 4);
+  const uint64_t id = submit(c, job);
+  const json st = follow_to_end(c, id, 240);
+  ASSERT_EQ(st["state"], "done") << st.dump();
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_EQ(st["hops"]["mode"], "p2p");
+
+  // The last RELEASEs go out within a quarter of a second of the job's end.
+  std::vector<std::string> urls;
+  const json peers = c.request_body(wire::MsgType::kPeers, json::object());
+  for (const json& p : peers["peers"]) urls.push_back(p.value("metrics", std::string()));
+  ASSERT_EQ(urls.size(), 4u) << peers.dump();
+  std::map<std::string, std::string> pages;
+  double held = -1, fetches = 0;
+  for (int i = 0; i < 50 && held != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    held = fetches = 0;
+    for (const std::string& u : urls) {
+      const http::Response r = http::get(u);
+      ASSERT_EQ(r.status, 200) << u;
+      pages[u] = r.body;
+      held += metric_sample(r.body, "swarm_stage_held_tensors");
+      fetches += metric_sample(r.body, "swarm_stage_fetches_total");
+    }
+  }
+  EXPECT_GT(fetches, 0) << "no tensor went peer to peer";
+  // A hop sent again elsewhere (its deadline passed on a busy machine) may leave the copies its
+  // first peer was pushed, which the router does not know were used: those wait for their time
+  // to live. Nothing else stays.
+  const double resent = st["microbatches"]["resent"].get<double>() + st["microbatches"]["duplicates"].get<double>();
+  EXPECT_LE(held, 2 * resent) << "resent " << resent << "; " << st["microbatches"].dump();
+  if (held > 2 * resent)
+    for (const auto& [u, page] : pages) ADD_FAILURE() << u << "\n" << page;
 }

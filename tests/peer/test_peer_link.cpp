@@ -212,6 +212,14 @@ TEST(PeerLink, APushThatDoesNotComeIsFetchedOnceItIsLate) {
   EXPECT_EQ(p.link.push_late, 2u);
   EXPECT_EQ(p.link.fetches, 2u);
   EXPECT_GE(took, 0.5);   // half the 1 s window: timing::push_wait_s
+  // The router releases the copies once the stage is done; a push that comes after that is not
+  // kept (nothing would release it before its time to live).
+  p.mine.release(10);
+  p.mine.release(11);
+  p.holder.push(push_of(10, p.link.address()), 0);
+  for (int i = 0; i < 400 && p.link.pushed_in < 1; ++i) pump(p.holder, p.link, 0.005);
+  ASSERT_EQ(p.link.pushed_in, 1u);
+  EXPECT_EQ(p.mine.size(), 0u);
 }
 
 TEST(PeerLink, ATensorItsHolderNoLongerHasFailsTheRequestNamingTheTensor) {
