@@ -149,8 +149,10 @@ TEST(Diloco, WarmStartSyncsEveryStepThenRounds) {
 TEST(Diloco, PeerKilledMidRoundAndANewOneJoiningLeaveTheGroupsEqual) {
   const std::string dir = temp_dir();
   const std::string data = write_text(dir);
-  // Long enough for the newcomer to start, load and take part in later rounds.
-  json spec = tiny_job(data, 2, 300, "async");
+  // Long enough for the newcomer to start, load and take part in later rounds. Its first HELLO
+  // may come before the router rereads its authorized keys (once a second); the stage server then
+  // says HELLO again after liveness x heartbeat plus its backoff, 2 s: 300 steps once left less.
+  json spec = tiny_job(data, 2, 600, "async");
   spec["diloco"] = {{"inner_steps", 5}, {"warm_start_steps", 0}};  // the defaults: outer lr 0.7, momentum 0.9, Nesterov
   LocalSwarm swarm(dir, kBuild);
   swarm.start_router();
