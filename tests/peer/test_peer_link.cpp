@@ -141,6 +141,26 @@ msg::Push push_of(uint64_t key, const std::string& to) {
   return pu;
 }
 
+// Tensor `key` (n floats) made at the holder and pushed to the receiver before any request names
+// it; then a request of `type` (arrival number `seq`) whose one reference is that tensor, pushed.
+std::vector<PeerLink::Resolved> early_push_then_request(ListeningPair& p, wire::MsgType type, uint64_t key, size_t n, uint64_t seq) {
+  wire::Tensor t = floats(n, float(key));
+  const wire::TensorDesc d = t.desc;
+  p.held.put(key, 0, std::move(t), false, 0);
+  const uint64_t before = p.link.pushed_in;
+  p.holder.push(push_of(key, p.link.address()), 0);
+  for (int i = 0; i < 400 && p.link.pushed_in == before; ++i) pump(p.holder, p.link, 0.005);
+  EXPECT_EQ(p.link.pushed_in, before + 1);
+  EXPECT_TRUE(p.mine.get(key, 0).has_value());
+  wire::Message m = request_with_refs(p.holder.address(), d, d);
+  m.type = type;
+  m.refs.resize(1);
+  m.refs[0].key = key;
+  m.refs[0].pushed = true;
+  p.link.resolve(std::move(m), seq, 0);
+  return p.link.take(0);
+}
+
 // The router's PUSH: the holder sends the tensors to the receiver before it asks, and a request
 // whose references say so is whole without a FETCH, whether the pushes come after it or before.
 TEST(PeerLink, PushedTensorsMakeARequestWholeWithoutAFetch) {
@@ -159,18 +179,7 @@ TEST(PeerLink, PushedTensorsMakeARequestWholeWithoutAFetch) {
   EXPECT_EQ(static_cast<const float*>(out[0].msg.tensors[1].data.data())[499], 2.f + 499);
 
   // Pushed before the request came: kept as a copy, and counted as crossing the link once.
-  wire::Tensor c = floats(200, 3);
-  const wire::TensorDesc dc = c.desc;
-  p.held.put(12, 0, std::move(c), false, 0);
-  p.holder.push(push_of(12, p.link.address()), 0);
-  for (int i = 0; i < 400 && p.link.pushed_in < 3; ++i) pump(p.holder, p.link, 0.005);
-  ASSERT_EQ(p.link.pushed_in, 3u);
-  wire::Message req2 = request_with_refs(p.holder.address(), dc, dc);
-  req2.refs.resize(1);
-  req2.refs[0].key = 12;
-  req2.refs[0].pushed = true;
-  p.link.resolve(std::move(req2), 6, 0);
-  out = p.link.take(0);
+  out = early_push_then_request(p, wire::MsgType::kBackward, 12, 200, 6);
   ASSERT_EQ(out.size(), 1u);
   ASSERT_FALSE(out[0].error);
   EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{800}));
@@ -178,20 +187,7 @@ TEST(PeerLink, PushedTensorsMakeARequestWholeWithoutAFetch) {
   EXPECT_TRUE(p.mine.get(12, 0).has_value());   // a training hop's: until the router releases it
 
   // An EVAL uses what was pushed to it once: the copy goes as the request takes it.
-  wire::Tensor e = floats(100, 4);
-  const wire::TensorDesc de = e.desc;
-  p.held.put(13, 0, std::move(e), false, 0);
-  p.holder.push(push_of(13, p.link.address()), 0);
-  for (int i = 0; i < 400 && p.link.pushed_in < 4; ++i) pump(p.holder, p.link, 0.005);
-  ASSERT_EQ(p.link.pushed_in, 4u);
-  ASSERT_TRUE(p.mine.get(13, 0).has_value());
-  wire::Message eval = request_with_refs(p.holder.address(), de, de);
-  eval.type = wire::MsgType::kEval;
-  eval.refs.resize(1);
-  eval.refs[0].key = 13;
-  eval.refs[0].pushed = true;
-  p.link.resolve(std::move(eval), 7, 0);
-  out = p.link.take(0);
+  out = early_push_then_request(p, wire::MsgType::kEval, 13, 100, 7);
   ASSERT_EQ(out.size(), 1u);
   ASSERT_FALSE(out[0].error);
   EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{400}));
