@@ -120,6 +120,7 @@ TEST(Memory, StageServersHoldNothingOnceTheirJobIsDone) {
       const http::Response r = http::get(u);
       ASSERT_EQ(r.status, 200) << u;
       pages[u] = r.body;
+      ASSERT_GE(metric_sample(r.body, "swarm_stage_held_tensors"), 0) << u << " does not say what it holds\n" << r.body;
       held += metric_sample(r.body, "swarm_stage_held_tensors");
       fetches += metric_sample(r.body, "swarm_stage_fetches_total");
     }
