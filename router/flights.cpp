@@ -149,19 +149,26 @@ void Flights::release_all(Ctx& c, Flight& f) {
 // tensor made again later is fetched from its holder, which keeps it until the microbatch
 // completes.
 void Flights::release_copies(Ctx& c, const Flight& f, Peer& p) {
+  release_stage_copies(c, f, p);
+  const PeerId& fwd = f.at[size_t(f.stage)].fwd_peer;
+  if (!fwd.empty() && fwd != p.id)
+    if (Peer* q = c.peers.find(fwd)) release_stage_copies(c, f, *q);
+}
+
+void Flights::release_stage_copies(Ctx& c, const Flight& f, Peer& at) {
   const FlightStage& st = f.at[size_t(f.stage)];
-  auto release = [&](Peer& at, const Slot& s) {
-    const Held* h = s.held();
-    if (h && at.id != h->holder) c.release(at, h->key);
-  };
-  release(p, st.input);
-  release(p, st.grad);
-  if (!st.fwd_peer.empty() && st.fwd_peer != p.id) {
-    if (Peer* q = c.peers.find(st.fwd_peer)) {
-      release(*q, st.input);
-      release(*q, st.grad);
-    }
-  }
+  for (const Slot* s : {&st.input, &st.grad})
+    if (const Held* h = s->held(); h && at.id != h->holder) c.release(at, h->key);
+}
+
+// A hop sent again goes to another peer (the one that failed it is tried last), and a tensor it
+// needs is fetched from its holder, which keeps it until the microbatch completes: what the
+// failed peer kept would otherwise wait there for cache_ttl_s. Should the hop come back to it,
+// it fetches again.
+void Flights::release_failed_copies(Ctx& c, const Flight& f, const Pending& pd) {
+  if (!cfg_.p2p || f.eval) return;   // only training hops keep copies (msg::Hop::keeps_copies)
+  if (Peer* p = c.peers.find(pd.peer)) release_stage_copies(c, f, *p);
+  if (f.ahead_key == pd.id) c.release(f.ahead_to, pd.id);
 }
 
 bool Flights::repair(Flight& f) {
@@ -544,6 +551,7 @@ HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_ten
   auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) return out;
   Flight& f = it->second;
+  release_failed_copies(c, f, pd);
   f.req_id = 0;
   track(pd.key, f);
   f.tried.insert(pd.peer);
@@ -590,6 +598,7 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
   // Only a tensor that was held elsewhere can fail to arrive; any other claim is the peer's error.
   const Held* held = sl ? sl->held() : nullptr;
   if (!held) return on_failed(c, pd, true, -1, why);
+  release_failed_copies(c, f, pd);
   f.req_id = 0;
   resent_hop(c, f, pd, false, why);
   fetch_failures++;

@@ -217,6 +217,12 @@ class Flights {
   // Stage f.stage's backward (or loss) is done on `p`: the copies of the stage's input and output
   // gradient that `p` and the peer of the stage's forward kept.
   void release_copies(Ctx& c, const Flight& f, Peer& p);
+  // The current hop failed at `pd.peer` and goes out again: the copies that peer fetched or was
+  // pushed for it, and the output it was told to push ahead (when it made it after all), are
+  // not read where they are.
+  void release_failed_copies(Ctx& c, const Flight& f, const Pending& pd);
+  // The copies of stage f.stage's input and output gradient at `at` (not what it holds itself).
+  static void release_stage_copies(Ctx& c, const Flight& f, Peer& at);
   const char* kind_label(const Flight& f) const { return cfg_.echo ? "echo" : hop_kind_name(f.kind); }
   // A hop that failed and goes out again: counted, and on the timeline.
   void resent_hop(Ctx& c, const Flight& f, const Pending& pd, bool error, const std::string& why);

@@ -126,9 +126,9 @@ TEST(Memory, StageServersHoldNothingOnceTheirJobIsDone) {
     }
   }
   EXPECT_GT(fetches, 0) << "no tensor went peer to peer";
-  // A hop sent again elsewhere (its deadline passed on a busy machine) may leave the copies its
-  // first peer was pushed, which the router does not know were used: those wait for their time
-  // to live. Nothing else stays.
+  // A hop sent again elsewhere (its deadline passed on a busy machine) has its first peer's copies
+  // released, but a push still on its way to that peer arrives after the RELEASE and waits for its
+  // time to live. Nothing else stays.
   const double resent = st["microbatches"]["resent"].get<double>() + st["microbatches"]["duplicates"].get<double>();
   EXPECT_LE(held, 2 * resent) << "resent " << resent << "; " << st["microbatches"].dump();
   if (held > 2 * resent)

@@ -974,6 +974,30 @@ TEST(CoreP2p, AGradientPushedAheadIsReleasedWhereItWentEvenWhenTheBackwardRanEls
   EXPECT_GT(elsewhere, 0u) << "no backward ran away from the peer its gradient was pushed to: the case is not covered";
 }
 
+// A hop whose peer fetched its tensors and then failed it (a misshapen result, a false report of
+// a bad input) goes out again to another peer: the copies the first one kept are released there,
+// not left for the stage server's cache_ttl_s.
+TEST(CoreP2p, WhatAFailedHopsPeerFetchedIsReleasedWhenTheHopGoesElsewhere) {
+  for (const bool misshapen : {true, false}) {
+    SCOPED_TRACE(misshapen ? "misshapen results" : "false bad-input reports");
+    FakeSwarm f;
+    const std::vector<PeerId> ids = three_by_two_p2p(f);
+    testing::FakePeer& liar = f.peers.at(ids[2]);   // b0: stage 1
+    if (misshapen) liar.quirks.wrong_shape = {2, 8, 3};
+    else liar.quirks.bad_input_reports = 6;
+    const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 6));
+    ASSERT_TRUE(f.run(60, [&] { return done(f, job); })) << f.status(job).dump();
+    f.run(0.3);  // the last RELEASEs go out within a quarter of a second
+    const json st = f.status(job);
+    EXPECT_EQ(st["microbatches"]["lost"], 0);
+    EXPECT_GT(st["microbatches"]["resent"].get<int>(), 0) << "no hop failed: the case is not covered";
+    EXPECT_GT(liar.fetched_bytes, 0u) << "the failing peer fetched nothing: the case is not covered";
+    EXPECT_EQ(liar.book.copies.size(), 0u);
+    EXPECT_EQ(copies_total(f), 0u);
+    EXPECT_EQ(held_total(f), 0u);
+  }
+}
+
 // A hop's holder is told to push the tensor to the receiver (PUSH) as the hop goes out, and the
 // reference says so; except the input of a backward on the peer of its forward, which has it.
 // A backward's gradient is pushed as soon as it is made, to the peer of the forward before it
