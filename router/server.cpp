@@ -89,7 +89,8 @@ struct Server::Impl {
   // CURVE: the keys allowed in (by Z85 key) and the handler that admits them; null without keys.
   std::map<std::string, Authorized> authorized;   // guarded by auth_mu: the ZAP thread reads it
   mutable std::mutex auth_mu;
-  std::string auth_stamp;                         // the authorized file's mtime and size when read
+  std::mutex reload_mu;                           // held by whichever thread reloads the file (it alone writes authorized)
+  std::string auth_stamp;                         // the authorized file's mtime and size when read; guarded by reload_mu
   double auth_checked_s = 0;
   std::unique_ptr<ZapHandler> zap;
   zmq::socket_t sock{ctx, zmq::socket_type::router};
@@ -127,10 +128,17 @@ struct Server::Impl {
       const KeyPair own = read_keypair(opt.key_file);
       reload_authorized();
       zap = std::make_unique<ZapHandler>(ctx, [this](const std::string& key, const std::string&) -> std::optional<Identity> {
-        std::lock_guard<std::mutex> l(auth_mu);
-        auto it = authorized.find(key);
-        if (it == authorized.end()) return std::nullopt;
-        return Identity{true, key, it->second.name, it->second.role};
+        // A key not let in may have been added since the last check: a stage server started
+        // right after its key was added would otherwise be refused, its HELLO lost with the
+        // connection, and it would say HELLO again only once the router had been silent for its
+        // liveness window.
+        if (std::optional<Identity> who = identity_of(key)) return who;
+        try {
+          reload_authorized();
+        } catch (const InputError& e) {
+          log_warn("router", e.what());   // the loop's own check says so too, and stops the router
+        }
+        return identity_of(key);
       });
       curve_server(sock, own, "swarm");
       // No handover: a routing id in use stays with its connection (stage servers' ids derive
@@ -138,7 +146,7 @@ struct Server::Impl {
       // answering, so a restarted peer gets its id back within seconds.
       sock.set(zmq::sockopt::heartbeat_ivl, 1000);
       sock.set(zmq::sockopt::heartbeat_timeout, 4000);
-      log_info("router", "CURVE on: " + std::to_string(authorized.size()) + " authorized key(s) from " + opt.authorized_file);
+      log_info("router", "CURVE on: " + std::to_string(authorized_count()) + " authorized key(s) from " + opt.authorized_file);
     } else {
       sock.set(zmq::sockopt::router_handover, 1);
       if (!loopback_bind(opt.bind)) log_warn("router", "--insecure: no keys; anyone who reaches " + opt.bind + " can join and submit jobs");
@@ -180,10 +188,23 @@ struct Server::Impl {
     return std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + ":" + std::to_string(st.st_size);
   }
 
-  // The authorized file is read again when it changes (checked every second): keys added are let
-  // in, and the messages of keys removed are dropped from then on. A file that no longer parses
-  // keeps the keys read before, and says why.
+  std::optional<Identity> identity_of(const std::string& key) const {
+    std::lock_guard<std::mutex> l(auth_mu);
+    auto it = authorized.find(key);
+    if (it == authorized.end()) return std::nullopt;
+    return Identity{true, key, it->second.name, it->second.role};
+  }
+  size_t authorized_count() const {
+    std::lock_guard<std::mutex> l(auth_mu);
+    return authorized.size();
+  }
+
+  // The authorized file is read again when it changes (checked every second, and by the ZAP
+  // thread when a key it does not know connects): keys added are let in, and the messages of keys
+  // removed are dropped from then on. A file that no longer parses keeps the keys read before,
+  // and says why.
   void reload_authorized() {
+    std::lock_guard<std::mutex> reading(reload_mu);
     const std::string stamp = stamp_of(opt.authorized_file);
     if (!authorized.empty() && stamp == auth_stamp) return;
     std::map<std::string, Authorized> fresh;

@@ -149,9 +149,10 @@ TEST(Diloco, WarmStartSyncsEveryStepThenRounds) {
 TEST(Diloco, PeerKilledMidRoundAndANewOneJoiningLeaveTheGroupsEqual) {
   const std::string dir = temp_dir();
   const std::string data = write_text(dir);
-  // Long enough for the newcomer to start, load and take part in later rounds. Its first HELLO
-  // may come before the router rereads its authorized keys (once a second); the stage server then
-  // says HELLO again after liveness x heartbeat plus its backoff, 2 s: 300 steps once left less.
+  // Long enough for the newcomer to start, load and take part in later rounds on a busy machine
+  // (300 steps once left less: its first handshake was refused until the router's once-a-second
+  // check of its authorized file, and it said HELLO again 2 s later; now a key the router does not
+  // know has the file read again at once).
   json spec = tiny_job(data, 2, 600, "async");
   spec["diloco"] = {{"inner_steps", 5}, {"warm_start_steps", 0}};  // the defaults: outer lr 0.7, momentum 0.9, Nesterov
   LocalSwarm swarm(dir, kBuild);
