@@ -303,16 +303,28 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
     body.push_to = ahead->hello.listen;
     if (!ahead->key.empty()) body.push_to_key = ahead->key;
   }
+  const bool with_targets = cfg_.tokens && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last));
+  // Not a stage-0 BACKWARD: its tokens are slot 0, ahead of the gradient (slot 1), and the slots
+  // are what RESULT.fetched, pushes and fetch failures count by.
+  const bool own_tokens = cfg_.tokens && p.samples_tokens && f.kind != HopKind::kBackward && (s == 0 || with_targets);
+  if (own_tokens) {
+    body.own_tokens = true;
+    this->own_tokens++;
+  }
   wire::Message m = msg::make(msg_type(f.kind), body, 0, f.attempts);
   m.hold = cfg_.p2p && p.can_hold();
+  auto tokens = [&](bool targets) {
+    m.tensors.push_back(cfg_.tokens(f.index, f.eval, targets));
+    bytes_tokens += m.tensors.back().desc.wire_bytes();
+  };
   if (s == 0 && cfg_.tokens) {
-    m.tensors.push_back(cfg_.tokens(f.index, f.eval, false));
+    if (!own_tokens) tokens(false);
   } else {
     c.attach(m, f.at[s].input, 0);
     // A backward on the peer of the forward finds its input there (it fetched it, or it was pushed).
     if (!(f.kind == HopKind::kBackward && f.at[s].fwd_peer == p.id)) push(c, f, f.at[s].input, p, m);
   }
-  if (cfg_.tokens && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last))) m.tensors.push_back(cfg_.tokens(f.index, f.eval, true));
+  if (with_targets && !own_tokens) tokens(true);
   if (f.kind == HopKind::kBackward) {
     c.attach(m, f.at[s].grad, 1);
     push(c, f, f.at[s].grad, p, m);

@@ -168,6 +168,9 @@ class Flights {
   uint64_t bytes_act = 0, bytes_grad = 0, bytes_relayed = 0, resent = 0, rejected = 0, cached = 0, recomputed = 0;
   uint64_t fetch_failures = 0, uploads = 0, remade = 0;
   uint64_t pushes = 0;   // held tensors their holder was asked to push to a hop's receiver (PUSH)
+  // Bytes of the tokens and targets the router sent with hops (training and eval), and the
+  // hops that went without theirs to a peer that samples its own (Hop.own_tokens).
+  uint64_t bytes_tokens = 0, own_tokens = 0;
   // Hops by stage and kind, and their latency (router/metrics.h).
   HopMetrics hop_metrics;
   // A result to request `request` that was no longer pending.

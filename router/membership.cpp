@@ -49,10 +49,12 @@ void TrainingJob::assign(Ctx& c, Peer& p, StartView* start) {
 void TrainingJob::send_load(Ctx& c, Peer& p) {
   c.peers.set_state(p, PeerState::kLoading);
   rounds_.samples().forget(p.id);
+  p.samples_tokens = false;
   msg::LoadStage body;
   body.job_id = id_;
   body.stage = p.stage;
   body.spec = spec_json_;
+  if (data_ && (p.stage == 0 || p.stage == S_ - 1)) body.data_hash = data_->hash();
   Pending pd;
   pd.kind = ReqKind::kLoad;
   pd.job = id_;
@@ -74,6 +76,7 @@ void TrainingJob::on_loaded(Ctx& c, Peer& p, wire::Message& m) {
     c.peers.ban(p, c.now);
     return;
   }
+  p.samples_tokens = r.data.value_or(false) && data_ && (p.stage == 0 || p.stage == S_ - 1);
   start_sync(c, p);
 }
 

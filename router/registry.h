@@ -63,6 +63,9 @@ struct alignas(64) Peer {
   // longer pushed to, and fetches what it needs.
   uint64_t pushes_to = 0, pushes_late = 0;
   bool no_push = false;
+  // It samples its hops' tokens and targets from its own copy of the job's data (StageReady.data,
+  // for the stage it last loaded): the router sends it none (Hop.own_tokens).
+  bool samples_tokens = false;
   std::vector<int64_t> to_release;   // keys of what it holds that nobody needs, for its next RELEASE (Ctx::release)
   bool can_hold() const { return !hello.listen.empty() && !relayed; }
   bool pinned() const { return hello.stage >= 0; }

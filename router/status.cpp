@@ -86,7 +86,7 @@ nlohmann::json TrainingJob::status(const Registry& peers, double now) const {
                    {"wire_bytes", {{"activations", flights_.bytes_act}, {"gradients", flights_.bytes_grad}, {"outer", rounds_.bytes_outer}}},
                    {"hops", {{"mode", hops_name(spec_.routing.hops)}, {"bytes_through_router", flights_.bytes_relayed},
                              {"fetch_failures", flights_.fetch_failures}, {"pushed", flights_.pushes}, {"relayed_by_router", flights_.uploads},
-                             {"remade", flights_.remade}}},
+                             {"remade", flights_.remade}, {"token_bytes", flights_.bytes_tokens}, {"own_tokens", flights_.own_tokens}}},
                    {"wire_bytes_per_sample", {{"activations", per_sample(flights_.bytes_act)}, {"gradients", per_sample(flights_.bytes_grad)}}},
                    {"codec_ms", {{"activations", {{"encode", codec_us_[0] / 1000}, {"decode", codec_us_[1] / 1000}}},
                                  {"gradients", {{"encode", codec_us_[2] / 1000}, {"decode", codec_us_[3] / 1000}}}}},

@@ -276,16 +276,9 @@ void TrainingJob::record_loss(Ctx& c, uint64_t index, double loss) {
 
 wire::Tensor TrainingJob::tokens(uint64_t index, bool eval, bool targets) const {
   SWARM_CHECK(data_ != nullptr, "tokens asked of a job without its data");
-  const int B = spec_.batch.microbatch_size, T = spec_.model.seq_len;
-  const Split split = eval ? Split::kVal : Split::kTrain;
   // u16: every token id fits (TokenData), half the bytes of i32 on the router's link; every
   // stage server takes either.
-  const size_t n = size_t(B) * size_t(T);
-  wire::Tensor t = wire::make_pooled_tensor(wire::DType::kU16, {B, T}, compression::CodecSpec{}, n * 2);
-  auto* out = static_cast<uint16_t*>(t.data.data());
-  sample_microbatch_into(*data_, split, spec_.seed, index, B, T, targets ? nullptr : out, targets ? out : nullptr);
-  wire::seal(t);
-  return t;
+  return microbatch_tensor(*data_, spec_.seed, index, eval, targets, spec_.batch.microbatch_size, spec_.model.seq_len);
 }
 
 void TrainingJob::take(Ctx& c, uint64_t index, bool eval) {

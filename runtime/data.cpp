@@ -122,7 +122,14 @@ TokenData TokenData::load(const DataSpec& data, int seq_len, int vocab_size, uin
   TokenData d;
   d.train_.assign(all.begin(), all.begin() + std::ptrdiff_t(n_train));
   d.val_.assign(all.begin() + std::ptrdiff_t(n_train), all.end());
+  d.seal();
   return d;
+}
+
+void TokenData::seal() {
+  const uint64_t t = wire::checksum(train_.data(), train_.size() * sizeof(uint16_t));
+  const uint64_t v = wire::checksum(val_.data(), val_.size() * sizeof(uint16_t));
+  hash_ = t ^ (v * 0x9E3779B97F4A7C15ull + train_.size());
 }
 
 TokenData TokenData::synthetic(const DataSpec& data, int seq_len, int vocab_size, size_t tokens, uint64_t seed) {
@@ -137,6 +144,7 @@ TokenData TokenData::synthetic(const DataSpec& data, int seq_len, int vocab_size
   };
   fill(d.train_, n_train, 1);
   fill(d.val_, n_val, 2);
+  d.seal();
   return d;
 }
 
@@ -204,6 +212,15 @@ void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, u
 void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, uint64_t index,
                             int samples, int seq_len, uint16_t* x, uint16_t* y) {
   sample_into(data, split, seed, index, samples, seq_len, x, y);
+}
+
+wire::Tensor microbatch_tensor(const TokenData& data, uint64_t seed, uint64_t index, bool eval, bool targets, int samples, int seq_len) {
+  const size_t n = size_t(samples) * size_t(seq_len);
+  wire::Tensor t = wire::make_pooled_tensor(wire::DType::kU16, {samples, seq_len}, compression::CodecSpec{}, n * 2);
+  auto* out = static_cast<uint16_t*>(t.data.data());
+  sample_microbatch_into(data, eval ? Split::kVal : Split::kTrain, seed, index, samples, seq_len, targets ? nullptr : out, targets ? out : nullptr);
+  wire::seal(t);
+  return t;
 }
 
 }  // namespace swarm

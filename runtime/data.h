@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "runtime/job_spec.h"
+#include "runtime/wire.h"
 
 namespace swarm {
 
@@ -35,9 +36,14 @@ class TokenData {
 
   // Entropy in nats per token of the validation split's own token frequencies.
   double unigram_loss() const;
+  // XXH3-64 of both splits: two copies with the same hash sample the same microbatches (a stage
+  // server with the job's data samples its own tokens, docs/protocol.md "Tokens at the peers").
+  uint64_t hash() const { return hash_; }
 
  private:
   std::vector<uint16_t> train_, val_;
+  uint64_t hash_ = 0;
+  void seal();
 };
 
 enum class Split { kTrain, kVal };
@@ -60,5 +66,10 @@ void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, u
 // As u16, what the router sends (half the bytes): for a vocabulary of at most 65,536.
 void sample_microbatch_into(const TokenData& data, Split split, uint64_t seed, uint64_t index,
                             int samples, int seq_len, uint16_t* x, uint16_t* y);
+// A hop's tokens (x) or, with `targets`, its targets (y) of microbatch `index` of the job's
+// split (validation for an eval batch): [samples, seq_len] u16, sealed, its buffer from the
+// tensor pool. The router attaches them to a hop; a stage server that holds the data makes the
+// very same tensor instead.
+wire::Tensor microbatch_tensor(const TokenData& data, uint64_t seed, uint64_t index, bool eval, bool targets, int samples, int seq_len);
 
 }  // namespace swarm

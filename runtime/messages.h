@@ -168,16 +168,22 @@ struct LoadStage {
   uint64_t job_id = 0;
   nlohmann::json spec;     // the job spec with every default filled in (parse_job_spec checks it)
   int32_t stage = 0;
+  // The first and last stages: TokenData::hash of the router's copy of the job's data. A stage
+  // server that may read the spec's data files (swarm-stage --data-root) and finds the same
+  // tokens there samples each hop's tokens or targets itself (StageReady.data, Hop.own_tokens).
+  std::optional<uint64_t> data_hash;
   template <class V>
   void visit(V& v) {
     v.field("job_id", job_id, kRequired, kMaxCount);
     v.field("spec", spec, kRequired);
     v.field("stage", stage, kRequired, 0, kMaxStageIndex);
+    v.field("data_hash", data_hash, kOptional);
   }
 };
 
 struct StageReady {
   static constexpr MsgType kType = MsgType::kStageReady;
+  std::optional<bool> data;   // it loaded the job's data and found LoadStage.data_hash: send it no tokens
   bool echo = false;
   double fwd_ms = 0;       // one measured forward [ms]
   uint64_t hash = 0;       // state hash of theta_g and momentum
@@ -187,6 +193,7 @@ struct StageReady {
   int32_t stage = -1;
   template <class V>
   void visit(V& v) {
+    v.field("data", data, kOptional);
     v.field("echo", echo, kOptional);
     v.field("fwd_ms", fwd_ms, kOptional, 0.0, kMaxMs);
     v.field("hash", hash, kOptional);
@@ -212,6 +219,10 @@ struct Hop {
   // Peer to peer, with hold: push the output to this listen address (its key `push_to_key` under
   // CURVE) as soon as it is made, as PUSH would: the peer the router expects to take the next hop.
   std::optional<std::string> push_to, push_to_key;
+  // The hop carries no tokens (stage 0) or targets (the last stage's FORWARD_LOSS and EVAL): the
+  // peer samples them from its own copy of the job's data (StageReady.data), as
+  // microbatch_tensor (runtime/data.h) makes them for `mb`.
+  std::optional<bool> own_tokens;
   // Training hops: a stage server keeps a copy of each tensor it fetched (or was pushed) for one,
   // so that a BACKWARD that comes back to the peer of its forward finds its input there, until
   // the router RELEASEs it with the microbatch's other tensors. What an EVAL or a round fetched
@@ -226,6 +237,7 @@ struct Hop {
     v.field("closes_step", closes_step, kOptional);
     v.field("push_to", push_to, kOptional, wire::kMaxAddressBytes);
     v.field("push_to_key", push_to_key, kOptional, size_t(40));
+    v.field("own_tokens", own_tokens, kOptional);
   }
 };
 

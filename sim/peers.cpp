@@ -48,6 +48,7 @@ void World::join(int i) {
   p.book = StageBook{};
   // Its affinity cache is sized, at each LOAD_STAGE, to the memory its HELLO says it has.
   p.book.memory_bytes = sc.groups[size_t(p.group)].says_memory ? p.dev.memory_bytes : -1;
+  p.book.has_data = sc.groups[size_t(p.group)].has_data;
   p.book.cuda = p.dev.cuda;
   p.book.listen = p.listen;
   p.book.precision = parse_precision(p.dev.precision);

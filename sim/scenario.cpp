@@ -259,6 +259,7 @@ Scenario parse_scenario(const json& j, const std::string& dir) {
     if (gf.has("link")) g.link = parse_link(gf.at("link"), where + ".link", g.link);
     g.listen = gf.boolean("listen", true);
     g.says_memory = gf.boolean("says_memory", true);
+    g.has_data = gf.boolean("data", true);
     g.stage = int(gf.integer("stage", -1, -1, S - 1));
     if (gf.has("prefer_stages")) {
       const json& r = gf.at("prefer_stages");

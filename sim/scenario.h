@@ -41,6 +41,7 @@ struct PeerGroup {
   LinkSpec link;
   bool listen = true;              // takes fetches (peer to peer); false: relayed
   bool says_memory = true;         // HELLO reports the profile's memory (false: unknown, placed anywhere)
+  bool has_data = true;            // its host holds the job's data: as the first or last stage it samples its own tokens (swarm-stage --data-root)
   int stage = -1;                  // --stage (pinned)
   int prefer_lo = -1, prefer_hi = -1;  // --prefer-stage, spread round-robin over [lo, hi]
   double join_s = 0, join_spread_s = 0;  // joins at join_s + uniform [0, spread)

@@ -119,6 +119,7 @@ void load(StageBook& b, const wire::Message& m) {
   b.loaded = true;
   b.stage = l.stage;
   b.job = l.job_id;
+  b.samples_tokens = b.has_data && l.data_hash && (b.stage == 0 || b.stage == b.spec.partition.stages - 1);
   b.graphs.clear();
   b.graph_order.clear();
   const Precision pin = b.spec.model.precision_pin();
@@ -138,6 +139,8 @@ wire::Message hop(StageBook& b, const wire::Message& m, const std::vector<int64_
                   Payloads& pay) {
   const JobSpec& s = b.spec;
   const msg::Hop h = msg::read<msg::Hop>(m);
+  if (h.own_tokens.value_or(false) && !b.samples_tokens)
+    return msg::error_reply(&m, WireErrc::kOutOfOrder, "a hop without its tokens, but this peer holds no copy of the job's data");
   if (q.bad_input_reports > 0 && h.stage > 0 && m.type != MsgType::kBackward) {
     q.bad_input_reports--;
     wire::Message e = msg::error_reply(&m, WireErrc::kBadTensor, "non-finite values in the stage input");
@@ -220,6 +223,7 @@ std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const s
       r.stage = b.stage;
       r.params = q.params >= 0 ? q.params : stage_parameter_counts(b.spec)[size_t(b.stage)];
       r.hash = q.hash;
+      if (b.samples_tokens) r.data = true;
       rep = msg::make(r, m.id, m.attempt);
       break;
     }

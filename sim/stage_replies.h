@@ -78,6 +78,10 @@ struct StageBook {
   int64_t memory_bytes = -1;
   bool cuda = false;
   Precision precision = Precision::kFp32;
+  // Its host holds the job's data (swarm-stage --data-root): loading the first or last stage of
+  // a LOAD_STAGE with a data_hash, it samples its hops' tokens and targets (samples_tokens).
+  bool has_data = false;
+  bool samples_tokens = false;
 };
 
 // How a peer lies or breaks.

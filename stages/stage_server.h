@@ -47,6 +47,10 @@ struct StageOptions {
   int64_t memory_limit_bytes = -1;             // use at most this much of the device (--memory-mb): what HELLO
                                                // says is free, and what the affinity cache is sized to; -1: all
   double cache_ttl_s = kGraphCacheTtlS;
+  // The first and last stages may read a job's data files under this directory (--data-root):
+  // when they hold the tokens the router has, they sample their hops' tokens and targets
+  // themselves and the router sends none ("": never; the router sends them all).
+  std::string data_root;
   std::vector<FaultSpec> faults;  // injected faults, armed at start (none: the injector is inert)
   uint64_t fault_seed = 1;        // every fault's random draws derive from it
 };

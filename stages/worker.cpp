@@ -3,6 +3,8 @@
 // round and the state transfers are in worker_rounds.cpp.
 #include "stages/worker_impl.h"
 
+#include <filesystem>
+
 #ifdef SWARM_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
@@ -169,6 +171,9 @@ Message Worker::Impl::load(Message& req) {
   held_step_ = 0;
   sent_.clear();
   outer_ef_ = std::make_unique<compression::ErrorFeedback>();
+  const bool ends = stage_ == 0 || stage_ == spec.partition.stages - 1;
+  if (!b.data_hash || !ends) data_.reset();
+  else if (!data_ || data_->hash() != *b.data_hash) data_ = own_data(spec, *b.data_hash);
   const double fwd_ms = measure();
   stats_.stage = stage_;
   stats_.job_id = job_id_;
@@ -186,7 +191,45 @@ Message Worker::Impl::load(Message& req) {
   r.fwd_ms = fwd_ms;
   r.hash = state_hash();
   r.precision = precision_name(prec_.precision());
+  if (data_) r.data = true;
   return msg::make(r, req.id, req.attempt);
+}
+
+std::shared_ptr<const TokenData> Worker::Impl::own_data(const JobSpec& spec, uint64_t want) {
+  if (opt_.data_root.empty()) return nullptr;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path root = fs::weakly_canonical(opt_.data_root, ec);
+  for (const std::string& path : spec.data.paths) {
+    const fs::path at = fs::weakly_canonical(path, ec);
+    const fs::path rel = at.lexically_relative(root);
+    if (ec || rel.empty() || *rel.begin() == "..") {
+      log_info("stage", "the job's data " + path + " is not under --data-root " + opt_.data_root + ": the router sends its tokens");
+      return nullptr;
+    }
+  }
+  try {
+    auto d = std::make_shared<TokenData>(TokenData::load(spec.data, spec.model.seq_len, spec.model.vocab_size));
+    if (d->hash() != want) {
+      log_warn("stage", "the job's data here differs from the router's copy (another file at the same path?): the router sends its tokens");
+      return nullptr;
+    }
+    log_info("stage", "samples its own tokens from the job's data (" + std::to_string(d->train().size() + d->val().size()) + " tokens)");
+    return d;
+  } catch (const InputError& e) {
+    log_info("stage", std::string("cannot read the job's data here (") + e.what() + "): the router sends its tokens");
+    return nullptr;
+  }
+}
+
+void Worker::Impl::own_tokens(Message& req, const msg::Hop& h) {
+  if (!h.own_tokens.value_or(false)) return;
+  if (!data_)
+    throw WireError(WireErrc::kOutOfOrder, "a hop without its tokens, but this peer holds no copy of the job's data (its STAGE_READY did not say data)");
+  const int B = spec_.batch.microbatch_size, T = spec_.model.seq_len;
+  if (model_->is_first()) req.tensors.insert(req.tensors.begin(), microbatch_tensor(*data_, spec_.seed, h.mb, h.eval, false, B, T));
+  if (model_->is_last() && (req.type == MsgType::kForwardLoss || req.type == MsgType::kEval))
+    req.tensors.push_back(microbatch_tensor(*data_, spec_.seed, h.mb, h.eval, true, B, T));
 }
 
 size_t Worker::Impl::cache_entries_for(const JobSpec& spec, const torch::Device& dev) {
@@ -307,6 +350,7 @@ Message Worker::Impl::result(const Message& req, const msg::Hop& h, msg::Result 
 Message Worker::Impl::forward(Message& req, bool eval) {
   const msg::Hop h = msg::read<msg::Hop>(req);
   check_job(h.job_id);
+  own_tokens(req, h);
   const bool last = model_->is_last();
   need_tensors(req, eval && last ? 2 : 1);
   torch::Tensor x = input_tensor(req.tensors[0], 0);
@@ -360,6 +404,7 @@ Message Worker::Impl::forward_loss(Message& req) {
   const msg::Hop h = msg::read<msg::Hop>(req);
   check_job(h.job_id);
   if (!model_->is_last()) throw WireError(WireErrc::kOutOfOrder, "FORWARD_LOSS goes to the last stage");
+  own_tokens(req, h);
   need_tensors(req, 2);
   torch::Tensor x = input_tensor(req.tensors[0], 0);
   torch::Tensor y = targets_tensor(req.tensors[1], x);

@@ -17,6 +17,7 @@
 
 #include "stages/worker.h"
 #include "compression/codec.h"
+#include "runtime/data.h"
 #include "runtime/diloco.h"
 #include "runtime/graph_cache.h"
 #include "runtime/log.h"
@@ -153,6 +154,14 @@ struct Worker::Impl {
 
   torch::Tensor targets_tensor(const wire::Tensor& t, const torch::Tensor& input);
 
+  // The job's data from this host's disk, for the first or last stage: when --data-root holds
+  // every file of it and its tokens are the router's (LoadStage.data_hash). Null otherwise (the
+  // router then sends the tokens), and why is logged.
+  std::shared_ptr<const TokenData> own_data(const JobSpec& spec, uint64_t want);
+  // A hop the router sent without its tokens or targets (Hop.own_tokens): made here, as the
+  // router makes them (microbatch_tensor), the tokens as slot 0 and the targets as the last.
+  void own_tokens(Message& req, const msg::Hop& h);
+
   void need_tensors(const Message& req, size_t n);
 
   Message result(const Message& req, const msg::Hop& h, msg::Result r);
@@ -277,6 +286,7 @@ struct Worker::Impl {
   std::unique_ptr<StageModel> model_;
   std::unique_ptr<AdamW> optim_;
   std::unique_ptr<Subspace> subspace_;  // the subspace codec's side of this stage, or null
+  std::shared_ptr<const TokenData> data_;   // the job's data, when this stage samples its own tokens (own_data)
   torch::Tensor ids_;                   // token ids [B, T] of the request at hand (subspace codec)
   const DeviceCaps& caps_;  // what the device computes in (probed at start)
   StagePrecision prec_;

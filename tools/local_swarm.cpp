@@ -232,6 +232,12 @@ void LocalSwarm::restart_stage(size_t i) {
     argv.push_back("--listen");
     argv.push_back("tcp://" + p.place.address + ":*");
   }
+  // One host: the stage servers read the job's data where the router does, and the router
+  // sends no tokens (docs/protocol.md, "Tokens at the peers").
+  if (!echo && std::find(p.extra_args.begin(), p.extra_args.end(), "--data-root") == p.extra_args.end()) {
+    argv.push_back("--data-root");
+    argv.push_back("/");
+  }
   const std::vector<std::string> faults = stage_faults_.stage_args(p.name);
   argv.insert(argv.end(), faults.begin(), faults.end());
   p.pid = spawn(argv, p.name + ".log");

@@ -62,6 +62,9 @@ int main(int argc, char** argv) {
   app.add_option("--fetch-timeout-s", opt.fetch_timeout_s, "a tensor not fetched from its holder in this long fails its hop (sooner where the router asks: fetch_within_ms)")
       ->capture_default_str()
       ->check(CLI::Range(0.1, 3600.0));
+  app.add_option("--data-root", opt.data_root,
+                 "as the first or last stage, read a job's data files under this directory and sample the hops' tokens and "
+                 "targets here when they match the router's copy (the router then sends none); default: the router sends them");
   size_t hold_mb = opt.hold_bytes >> 20;
   app.add_option("--hold-mb", hold_mb, "tensors kept for other peers at most [MiB]")->capture_default_str()->check(CLI::Range(1, 1 << 24));
   double memory_mb = -1;

@@ -1,6 +1,7 @@
 // test_p2p.cpp: peer-to-peer hops on real processes over loopback: the router carries no
 // activation, a holder killed mid-run has its tensors made again, a peer others cannot reach
-// is relayed, and peer to peer trains exactly what the hub does.
+// is relayed, peer to peer trains exactly what the hub does, and stages that hold the data
+// sample their own tokens and train the same.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -56,6 +57,35 @@ TEST(P2p, TheRouterCarriesNoActivationAndTrainsWhatTheHubTrains) {
   // activation bytes move than through the hub, the same gradient bytes.
   EXPECT_LT(a["wire_bytes"]["activations"].get<double>(), b["wire_bytes"]["activations"].get<double>());
   EXPECT_EQ(a["wire_bytes"]["gradients"], b["wire_bytes"]["gradients"]);
+}
+
+// The first and last stages read the job's data where the router does (LocalSwarm passes
+// --data-root /) and sample their hops' tokens and targets themselves: the router sends only the
+// stage-0 backwards' tokens, and training is the same, bit for bit, as with every token sent.
+TEST(P2p, StagesWithTheDataSampleTheirOwnTokensAndTrainTheSame) {
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  const json spec = tiny_job(data, 2, 12, "sync");
+  auto run = [&](const std::string& name, const std::vector<std::string>& args) {
+    LocalSwarm swarm(dir + "/" + name, kBuild);
+    swarm.start_router();
+    for (int s = 0; s < 2; ++s) swarm.start_stage(s, "s" + std::to_string(s), 1, args);
+    Client c(swarm.router_endpoint());
+    wait_for_peers(c, 2);
+    return follow_to_end(c, submit(c, spec), 240, 50);
+  };
+  const json own = run("own", {});
+  const json sent = run("sent", {"--data-root", dir + "/nowhere"});
+  ASSERT_EQ(own["state"], "done") << own.dump();
+  ASSERT_EQ(sent["state"], "done") << sent.dump();
+  EXPECT_GT(own["hops"]["own_tokens"].get<uint64_t>(), 0u) << own["hops"].dump();
+  EXPECT_EQ(sent["hops"]["own_tokens"], 0) << sent["hops"].dump();
+  // Three token tensors a microbatch were sent (stage-0 forward and backward, the loss's
+  // targets), and one is left: the stage-0 backward's.
+  EXPECT_LT(own["hops"]["token_bytes"].get<double>() * 2, sent["hops"]["token_bytes"].get<double>()) << own["hops"].dump() << sent["hops"].dump();
+  EXPECT_EQ(train_losses(own), train_losses(sent));
+  EXPECT_NE(slurp(dir + "/own/s0.log").find("samples its own tokens"), std::string::npos);
+  EXPECT_NE(slurp(dir + "/sent/s1.log").find("is not under --data-root"), std::string::npos) << slurp(dir + "/sent/s1.log");
 }
 
 TEST(P2p, AHolderKilledMidRunHasItsTensorsMadeAgainAndNothingIsLost) {

@@ -974,6 +974,52 @@ TEST(CoreP2p, AGradientPushedAheadIsReleasedWhereItWentEvenWhenTheBackwardRanEls
   EXPECT_GT(elsewhere, 0u) << "no backward ran away from the peer its gradient was pushed to: the case is not covered";
 }
 
+// Stage servers that hold the job's data (swarm-stage --data-root) sample their hops' tokens and
+// targets: the router sends the first stage's FORWARDs and EVALs no tokens and the last stage's
+// FORWARD_LOSSes and EVALs no targets, only the stage-0 BACKWARDs their tokens (slot 0, ahead of
+// the gradient), and peers that do not hold the data get every token as before.
+TEST(CoreP2p, PeersWithTheDataSampleTheirOwnTokensAndTheRouterSendsNone) {
+  auto run = [](bool have_data) {
+    FakeSwarm f;
+    f.peers_have_data = have_data;
+    three_by_two_p2p(f);
+    const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+    EXPECT_TRUE(f.run(30, [&] { return done(f, job); }));
+    size_t bare = 0, with_tokens = 0;
+    for (const auto& [id, p] : f.peers)
+      for (const auto& m : p.received) {
+        if (m.type != MsgType::kForward && m.type != MsgType::kForwardLoss && m.type != MsgType::kBackward && m.type != MsgType::kEval) continue;
+        const msg::Hop h = msg::read<msg::Hop>(m);
+        const bool first = h.stage == 0, last = h.stage == 2;
+        if (!first && !last) {
+          EXPECT_FALSE(h.own_tokens.has_value());
+          continue;
+        }
+        const bool carries = !m.tensors.empty();   // tokens or targets: activations and gradients are references
+        if (h.own_tokens.value_or(false)) {
+          EXPECT_TRUE(have_data);
+          EXPECT_FALSE(carries) << wire::msg_type_name(m.type) << " stage " << h.stage;
+          bare++;
+        } else {
+          EXPECT_TRUE(carries) << wire::msg_type_name(m.type) << " stage " << h.stage;
+          if (have_data) EXPECT_TRUE(first && m.type == MsgType::kBackward) << wire::msg_type_name(m.type) << " stage " << h.stage;
+          with_tokens++;
+        }
+      }
+    const json st = f.status(job);
+    EXPECT_EQ(st["microbatches"]["lost"], 0);
+    EXPECT_EQ(st["hops"]["own_tokens"].get<size_t>(), bare);
+    return std::make_pair(st["hops"]["token_bytes"].get<uint64_t>(), with_tokens);
+  };
+  const auto [routed_bytes, routed_hops] = run(false);
+  const auto [own_bytes, own_hops] = run(true);
+  EXPECT_GT(own_bytes, 0u);   // the stage-0 backwards' tokens
+  // Of the three token tensors of a microbatch (stage-0 forward, last-stage targets, stage-0
+  // backward) one is left; evaluation batches send none.
+  EXPECT_LT(own_bytes * 2, routed_bytes) << own_bytes << " of " << routed_bytes;
+  EXPECT_LT(own_hops * 2, routed_hops);
+}
+
 // A hop whose peer fetched its tensors and then failed it (a misshapen result, a false report of
 // a bad input) goes out again to another peer: the copies the first one kept are released there,
 // not left for the stage server's cache_ttl_s.

@@ -61,6 +61,7 @@ PeerId FakeSwarm::join(const std::string& name, int stage, int prefer, double em
   FakePeer p;
   p.id = id;
   p.name = name;
+  p.book.has_data = peers_have_data;
   peers.erase(id);
   peers.emplace(id, std::move(p));
   msg::Hello h;

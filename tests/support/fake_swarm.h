@@ -52,6 +52,7 @@ class FakeSwarm {
   double tick_s = 0.005;                             // fake time between ticks in run()
   size_t keep_received = 100000;                     // messages each peer keeps in `received`
   bool peers_listen = false;                         // peers that join from now on take fetches (peer to peer)
+  bool peers_have_data = false;                      // peers that join from now on sample their own tokens at the first and last stages
   int64_t peers_memory_bytes = -1;                   // the free memory the HELLOs of peers that join from now on say (-1: none)
 
   // A stage server says HELLO (stage: --stage; prefer: --prefer-stage).
