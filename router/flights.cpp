@@ -304,9 +304,11 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
     if (!ahead->key.empty()) body.push_to_key = ahead->key;
   }
   const bool with_targets = cfg_.tokens && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last));
-  // Not a stage-0 BACKWARD: its tokens are slot 0, ahead of the gradient (slot 1), and the slots
-  // are what RESULT.fetched, pushes and fetch failures count by.
-  const bool own_tokens = cfg_.tokens && p.samples_tokens && f.kind != HopKind::kBackward && (s == 0 || with_targets);
+  const bool own_tokens = cfg_.tokens && p.samples_tokens && (s == 0 || with_targets);
+  // The peer's own tokens are slot 0 of a stage-0 hop, ahead of what the message carries: the
+  // message numbers its references without them, and what the peer reports counts them
+  // (msg::Hop::put_own).
+  const uint32_t lead = own_tokens && s == 0 ? 1 : 0;
   if (own_tokens) {
     body.own_tokens = true;
     this->own_tokens++;
@@ -326,7 +328,7 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   }
   if (with_targets && !own_tokens) tokens(true);
   if (f.kind == HopKind::kBackward) {
-    c.attach(m, f.at[s].grad, 1);
+    c.attach(m, f.at[s].grad, 1 - lead);
     push(c, f, f.at[s].grad, p, m);
   }
   if (!f.eval && !cfg_.echo) {
@@ -353,7 +355,7 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   pd.deadline_s = c.now + timing::deadline_s((p.queued_units + my_units) * per / 1000.0, long_hop ? cfg_.backward_cap_s : cfg_.forward_cap_s);
   pd.hold = m.hold;
   for (const wire::TensorRef& r : m.refs)
-    if (r.pushed) pd.pushed |= uint8_t(1u << r.slot);
+    if (r.pushed) pd.pushed |= uint8_t(1u << (r.slot + lead));
   const char* label = kind_label(f);
   f.req_id = c.request(pd, std::move(m));
   f.attempts++;

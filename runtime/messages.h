@@ -221,13 +221,30 @@ struct Hop {
   std::optional<std::string> push_to, push_to_key;
   // The hop carries no tokens (stage 0) or targets (the last stage's FORWARD_LOSS and EVAL): the
   // peer samples them from its own copy of the job's data (StageReady.data), as
-  // microbatch_tensor (runtime/data.h) makes them for `mb`.
+  // microbatch_tensor (runtime/data.h) makes them for `mb`, and puts them in with put_own.
   std::optional<bool> own_tokens;
   // Training hops: a stage server keeps a copy of each tensor it fetched (or was pushed) for one,
   // so that a BACKWARD that comes back to the peer of its forward finds its input there, until
   // the router RELEASEs it with the microbatch's other tensors. What an EVAL or a round fetched
   // is used once, and not kept.
   static bool keeps_copies(MsgType t) { return t == MsgType::kForward || t == MsgType::kForwardLoss || t == MsgType::kBackward; }
+  // Whether a hop of type `t` at `stage` of `stages` goes with tokens (the first stage) and with
+  // targets (the last stage's FORWARD_LOSS and EVAL).
+  static bool takes_tokens(int stage) { return stage == 0; }
+  static bool takes_targets(MsgType t, int stage, int stages) {
+    return stage == stages - 1 && (t == MsgType::kForwardLoss || t == MsgType::kEval);
+  }
+  // An own_tokens hop made whole, before its references are resolved: the tokens become slot 0,
+  // ahead of what the message carries (the router numbered its references without them: each
+  // moves up one, so every slot the peer reports, in RESULT.fetched or an ERROR, counts the
+  // tokens as slot 0), and the targets the last slot.
+  static void put_own(wire::Message& m, std::optional<wire::Tensor> tokens, std::optional<wire::Tensor> targets) {
+    if (tokens) {
+      for (wire::TensorRef& r : m.refs) r.slot++;
+      m.tensors.insert(m.tensors.begin(), std::move(*tokens));
+    }
+    if (targets) m.tensors.push_back(std::move(*targets));
+  }
   template <class V>
   void visit(V& v) {
     v.field("eval", eval, kOptional);

@@ -160,6 +160,11 @@ void World::peer_receives(int i, wire::Message m) {
     msg::Hop h = msg::read<msg::Hop>(s.m);
     s.mb = h.mb;
     s.push_to = std::move(h.push_to);
+    if (std::optional<wire::Message> e = own_tokens(p.book, s.m, h, payloads)) {
+      peers_side.slots.take(slot);
+      to_router(i, std::move(*e), now + p.dev.overhead_ms / 1000.0);
+      return;
+    }
   }
   s.fetched.assign(s.m.tensors.size() + s.m.refs.size(), 0);
   double whole = now, failed_at = 1e300;

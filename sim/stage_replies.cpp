@@ -139,8 +139,6 @@ wire::Message hop(StageBook& b, const wire::Message& m, const std::vector<int64_
                   Payloads& pay) {
   const JobSpec& s = b.spec;
   const msg::Hop h = msg::read<msg::Hop>(m);
-  if (h.own_tokens.value_or(false) && !b.samples_tokens)
-    return msg::error_reply(&m, WireErrc::kOutOfOrder, "a hop without its tokens, but this peer holds no copy of the job's data");
   if (q.bad_input_reports > 0 && h.stage > 0 && m.type != MsgType::kBackward) {
     q.bad_input_reports--;
     wire::Message e = msg::error_reply(&m, WireErrc::kBadTensor, "non-finite values in the stage input");
@@ -211,6 +209,19 @@ wire::Message round_part(StageBook& b, const wire::Message& m, Payloads& pay) {
 }
 
 }  // namespace
+
+std::optional<wire::Message> own_tokens(const StageBook& b, wire::Message& m, const msg::Hop& h, Payloads& pay) {
+  if (!h.own_tokens.value_or(false)) return std::nullopt;
+  if (!b.samples_tokens || h.job_id != b.job)
+    return msg::error_reply(&m, WireErrc::kOutOfOrder, "a hop without its tokens, but this peer holds no copy of the job's data");
+  const JobSpec& s = b.spec;
+  auto zeros = [&] { return pay.zeros(wire::DType::kU16, {s.batch.microbatch_size, s.model.seq_len}, compression::CodecSpec{}); };
+  std::optional<wire::Tensor> tokens, targets;
+  if (msg::Hop::takes_tokens(b.stage)) tokens = zeros();
+  if (msg::Hop::takes_targets(m.type, b.stage, s.partition.stages)) targets = zeros();
+  msg::Hop::put_own(m, std::move(tokens), std::move(targets));
+  return std::nullopt;
+}
 
 std::optional<wire::Message> reply(StageBook& b, const wire::Message& m, const std::vector<int64_t>& fetched, double compute_ms, double now,
                                    Quirks& q, Payloads& pay) {

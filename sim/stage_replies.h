@@ -107,6 +107,11 @@ enum class FetchFailure { kUnreachable, kNotHeld };
 // The answer to `req` when reference slot `slot` (held at `from`) could not be fetched.
 wire::Message fetch_error(const wire::Message& req, uint32_t slot, FetchFailure why, const std::string& from);
 
+// A hop the router sent without its tokens or targets (Hop.own_tokens) made whole as a stage
+// server makes it before fetching its references (msg::Hop::put_own; zeros stand in for the
+// tokens), or the ERROR to answer when this peer holds no copy of the job's data.
+std::optional<wire::Message> own_tokens(const StageBook& b, wire::Message& m, const msg::Hop& h, Payloads& pay);
+
 // Whether a request of type `t` for microbatch `mb` is a BACKWARD that finds its forward's graph
 // cached (a FORWARD keeps one, in `reply`): so the caller can time the work before it.
 bool has_graph(const StageBook& b, wire::MsgType t, uint64_t mb);

@@ -284,13 +284,37 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     }
     return wire::encode(m);
   };
+  // A hop the router sent without its tokens or targets (Hop.own_tokens): they are made here, from
+  // the data the compute thread loaded with the stage, and put where the router would have put
+  // them, before the hop's references are resolved. False, and the router told why, when this
+  // server holds no data for the hop's job.
+  auto own_tokens = [&](Message& m, const msg::Hop& h) {
+    std::shared_ptr<const OwnTokens> own;
+    {
+      std::lock_guard<std::mutex> l(stats.own_mu);
+      own = stats.own;
+    }
+    if (!own || own->job != h.job_id) {
+      stats.errors++;
+      Message err = msg::error_reply(&m, WireErrc::kOutOfOrder, "a hop without its tokens, but this peer holds no copy of job " +
+                                                                    std::to_string(h.job_id) + "'s data (its STAGE_READY did not say data)");
+      answer(err);
+      return false;
+    }
+    auto make = [&](bool targets) { return microbatch_tensor(*own->data, own->seed, h.mb, h.eval, targets, own->samples, own->seq_len); };
+    std::optional<wire::Tensor> tokens, targets;
+    if (msg::Hop::takes_tokens(own->stage)) tokens = make(false);
+    if (msg::Hop::takes_targets(m.type, own->stage, own->stages)) targets = make(true);
+    msg::Hop::put_own(m, std::move(tokens), std::move(targets));
+    return true;
+  };
   // A request for the compute thread: whole, or once what it references has been fetched.
   auto queue_work = [&](Message m, uint64_t seq) {
-    if (m.hold) hold_ids.insert(m.id);
-    if (m.hold && (m.type == MsgType::kBackward || m.type == MsgType::kForwardLoss)) {
+    if (m.type == MsgType::kForward || m.type == MsgType::kForwardLoss || m.type == MsgType::kBackward || m.type == MsgType::kEval) {
       try {
         const msg::Hop h = msg::read<msg::Hop>(m);
-        if (h.push_to) {
+        if (h.own_tokens.value_or(false) && !own_tokens(m, h)) return;
+        if (m.hold && h.push_to && (m.type == MsgType::kBackward || m.type == MsgType::kForwardLoss)) {
           msg::Push pu;
           pu.key = m.id;
           pu.to = *h.push_to;
@@ -301,6 +325,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
         // Malformed: the compute thread answers it so.
       }
     }
+    if (m.hold) hold_ids.insert(m.id);
     if (m.refs.empty()) return inbox.push(std::move(m), seq);
     link->resolve(std::move(m), seq, now_s());
   };

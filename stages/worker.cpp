@@ -191,7 +191,15 @@ Message Worker::Impl::load(Message& req) {
   r.fwd_ms = fwd_ms;
   r.hash = state_hash();
   r.precision = precision_name(prec_.precision());
-  if (data_) r.data = true;
+  std::shared_ptr<const OwnTokens> own;
+  if (data_) {
+    r.data = true;
+    own = std::make_shared<const OwnTokens>(OwnTokens{data_, job_id_, spec.seed, spec.batch.microbatch_size, spec.model.seq_len, stage_, spec.partition.stages});
+  }
+  {
+    std::lock_guard<std::mutex> l(stats_.own_mu);
+    stats_.own = std::move(own);
+  }
   return msg::make(r, req.id, req.attempt);
 }
 
@@ -220,16 +228,6 @@ std::shared_ptr<const TokenData> Worker::Impl::own_data(const JobSpec& spec, uin
     log_info("stage", std::string("cannot read the job's data here (") + e.what() + "): the router sends its tokens");
     return nullptr;
   }
-}
-
-void Worker::Impl::own_tokens(Message& req, const msg::Hop& h) {
-  if (!h.own_tokens.value_or(false)) return;
-  if (!data_)
-    throw WireError(WireErrc::kOutOfOrder, "a hop without its tokens, but this peer holds no copy of the job's data (its STAGE_READY did not say data)");
-  const int B = spec_.batch.microbatch_size, T = spec_.model.seq_len;
-  if (model_->is_first()) req.tensors.insert(req.tensors.begin(), microbatch_tensor(*data_, spec_.seed, h.mb, h.eval, false, B, T));
-  if (model_->is_last() && (req.type == MsgType::kForwardLoss || req.type == MsgType::kEval))
-    req.tensors.push_back(microbatch_tensor(*data_, spec_.seed, h.mb, h.eval, true, B, T));
 }
 
 size_t Worker::Impl::cache_entries_for(const JobSpec& spec, const torch::Device& dev) {
@@ -350,7 +348,6 @@ Message Worker::Impl::result(const Message& req, const msg::Hop& h, msg::Result 
 Message Worker::Impl::forward(Message& req, bool eval) {
   const msg::Hop h = msg::read<msg::Hop>(req);
   check_job(h.job_id);
-  own_tokens(req, h);
   const bool last = model_->is_last();
   need_tensors(req, eval && last ? 2 : 1);
   torch::Tensor x = input_tensor(req.tensors[0], 0);
@@ -404,7 +401,6 @@ Message Worker::Impl::forward_loss(Message& req) {
   const msg::Hop h = msg::read<msg::Hop>(req);
   check_job(h.job_id);
   if (!model_->is_last()) throw WireError(WireErrc::kOutOfOrder, "FORWARD_LOSS goes to the last stage");
-  own_tokens(req, h);
   need_tensors(req, 2);
   torch::Tensor x = input_tensor(req.tensors[0], 0);
   torch::Tensor y = targets_tensor(req.tensors[1], x);

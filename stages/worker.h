@@ -14,8 +14,10 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <mutex>
 
 #include "runtime/codec_spec.h"
+#include "runtime/data.h"
 #include "runtime/job_spec.h"
 #include "runtime/messages.h"
 #include "runtime/precision.h"
@@ -30,6 +32,15 @@ namespace compression {
 class ErrorFeedback;
 }
 
+// What the I/O thread needs to make the tokens and targets of a hop the router sent without
+// them (Hop.own_tokens): the loaded job's data, when this stage samples its own (its load found
+// the router's data under --data-root).
+struct OwnTokens {
+  std::shared_ptr<const TokenData> data;
+  uint64_t job = 0, seed = 0;
+  int samples = 0, seq_len = 0, stage = -1, stages = 0;
+};
+
 struct SharedStats {
   std::atomic<int> stage{-1};
   std::atomic<uint64_t> job_id{0};
@@ -40,6 +51,8 @@ struct SharedStats {
   std::atomic<double> loss_scale{0};                      // 0: no loss scaling
   std::atomic<double> compute_s{0};                       // hops' compute time so far [s] (written by the compute thread only)
   std::atomic<int64_t> cache_entries{-1};                 // graphs the affinity cache may keep for the loaded stage; -1: none loaded
+  std::mutex own_mu;                                      // guards own: the compute thread sets it at each load
+  std::shared_ptr<const OwnTokens> own;                   // null: the router sends this stage its tokens
 };
 
 class Worker {

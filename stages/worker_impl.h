@@ -158,9 +158,6 @@ struct Worker::Impl {
   // every file of it and its tokens are the router's (LoadStage.data_hash). Null otherwise (the
   // router then sends the tokens), and why is logged.
   std::shared_ptr<const TokenData> own_data(const JobSpec& spec, uint64_t want);
-  // A hop the router sent without its tokens or targets (Hop.own_tokens): made here, as the
-  // router makes them (microbatch_tensor), the tokens as slot 0 and the targets as the last.
-  void own_tokens(Message& req, const msg::Hop& h);
 
   void need_tensors(const Message& req, size_t n);
 

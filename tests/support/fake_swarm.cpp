@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -198,7 +200,7 @@ std::optional<wire::Message> FakeSwarm::fetch(FakePeer& p, const wire::Message& 
 }
 
 // Answers at once (the reply arrives at the next tick): a hop's compute_ms is 1 ms per unit.
-void FakeSwarm::answer(FakePeer& p, const wire::Message& m) {
+void FakeSwarm::answer(FakePeer& p, wire::Message& m) {
   using wire::MsgType;
   if (m.type == MsgType::kBye) {
     p.alive = false;
@@ -208,13 +210,30 @@ void FakeSwarm::answer(FakePeer& p, const wire::Message& m) {
     inbox_.emplace_back(p.id, sim::answer_fetch(p.book, m));
     return;
   }
+  // A hop without its tokens is made whole first, as a stage server's I/O thread does.
+  std::optional<wire::Message> whole;
+  const wire::Message* req = &m;
+  if (std::find(std::begin(msg::Hop::kTypes), std::end(msg::Hop::kTypes), m.type) != std::end(msg::Hop::kTypes)) {
+    const msg::Hop h = msg::read<msg::Hop>(m);
+    if (h.own_tokens.value_or(false)) {
+      whole.emplace(m.type, m.id, m.attempt, m.body);
+      for (auto& t : m.tensors) whole->tensors.push_back(wire::share(t));
+      whole->refs = m.refs;
+      whole->hold = m.hold;
+      if (std::optional<wire::Message> e = sim::own_tokens(p.book, *whole, h, payloads_)) {
+        inbox_.emplace_back(p.id, std::move(*e));
+        return;
+      }
+      req = &*whole;
+    }
+  }
   std::vector<int64_t> fetched;
-  if (std::optional<wire::Message> e = fetch(p, m, fetched)) {
+  if (std::optional<wire::Message> e = fetch(p, *req, fetched)) {
     inbox_.emplace_back(p.id, std::move(*e));
     return;
   }
-  const double ms = sim::work_units(m.type, sim::has_graph(p.book, m));
-  if (std::optional<wire::Message> r = sim::reply(p.book, m, fetched, ms, now, p.quirks, payloads_)) inbox_.emplace_back(p.id, std::move(*r));
+  const double ms = sim::work_units(req->type, sim::has_graph(p.book, *req));
+  if (std::optional<wire::Message> r = sim::reply(p.book, *req, fetched, ms, now, p.quirks, payloads_)) inbox_.emplace_back(p.id, std::move(*r));
 }
 
 bool FakeSwarm::run(double seconds, const std::function<bool()>& until) {

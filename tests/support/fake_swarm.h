@@ -81,7 +81,7 @@ class FakeSwarm {
 
  private:
   void take(Actions a);
-  void answer(FakePeer& p, const wire::Message& m);
+  void answer(FakePeer& p, wire::Message& m);
   // The references of a request, fetched as a real peer would; the ERROR to answer when one fails.
   std::optional<wire::Message> fetch(FakePeer& p, const wire::Message& m, std::vector<int64_t>& fetched);
   sim::Payloads payloads_;
