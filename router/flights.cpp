@@ -290,7 +290,6 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
   Peer& p = *peers[size_t(pick)];
   const double my_units = cands[size_t(pick)].affinity ? kBackwardCachedUnits : units;
   const size_t s = size_t(f.stage);
-  const bool last = f.stage == cfg_.stages - 1;
 
   msg::Hop body;
   body.eval = f.eval;
@@ -303,12 +302,13 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
     body.push_to = ahead->hello.listen;
     if (!ahead->key.empty()) body.push_to_key = ahead->key;
   }
-  const bool with_targets = cfg_.tokens && (f.kind == HopKind::kForwardLoss || (f.kind == HopKind::kEval && last));
-  const bool own_tokens = cfg_.tokens && p.samples_tokens && (s == 0 || with_targets);
+  const bool with_tokens = cfg_.tokens && msg::Hop::takes_tokens(f.stage);
+  const bool with_targets = cfg_.tokens && msg::Hop::takes_targets(msg_type(f.kind), f.stage, cfg_.stages);
+  const bool own_tokens = p.samples_tokens && (with_tokens || with_targets);
   // The peer's own tokens are slot 0 of a stage-0 hop, ahead of what the message carries: the
   // message numbers its references without them, and what the peer reports counts them
   // (msg::Hop::put_own).
-  const uint32_t lead = own_tokens && s == 0 ? 1 : 0;
+  const uint32_t lead = own_tokens && with_tokens ? 1 : 0;
   if (own_tokens) {
     body.own_tokens = true;
     this->own_tokens++;
@@ -319,7 +319,7 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
     m.tensors.push_back(cfg_.tokens(f.index, f.eval, targets));
     bytes_tokens += m.tensors.back().desc.wire_bytes();
   };
-  if (s == 0 && cfg_.tokens) {
+  if (with_tokens) {
     if (!own_tokens) tokens(false);
   } else {
     c.attach(m, f.at[s].input, 0);
