@@ -512,11 +512,14 @@ Actions RouterCore::tick(double now) {
     I.last_release_s = now;
     I.send_releases(c);
   }
-  // Requests past their deadline are re-sent elsewhere (no ban: the peer may just be slow).
+  // Requests past their deadline fail (no ban: the peer may just be slow); a hop is re-sent elsewhere.
   for (uint64_t rid : I.requests.expired(now)) {
     const Pending* pd = I.requests.find(rid);
     if (!pd) continue;
-    c.warn("request " + std::to_string(rid) + " (" + req_kind_name(pd->kind) + ") to " + I.name_of(pd->peer) + " passed its deadline (" + std::to_string(pd->deadline_s - pd->sent_s) + " s after it was sent); re-sending");
+    // A hop goes to another peer; anything else is its job's to decide (a snapshot or a round
+    // goes on without this peer's part, a joiner's state is asked of another donor).
+    c.warn("request " + std::to_string(rid) + " (" + req_kind_name(pd->kind) + ") to " + I.name_of(pd->peer) + " passed its deadline (" +
+           std::to_string(pd->deadline_s - pd->sent_s) + " s after it was sent)" + (pd->kind == ReqKind::kHop ? "; re-sending" : ""));
     if (Peer* p = I.peers.find(pd->peer)) {
       if (const double s = I.peers.timed_out(*p, pd->kind == ReqKind::kHop, now); s > 0)
         c.event(EventKind::kFault, LogLevel::kWarn,

@@ -4,9 +4,14 @@
 #include <cmath>
 #include <cstring>
 
+#include "runtime/timing.h"
+
 namespace swarm::router {
 
 namespace {
+
+// A stage's whole state on the wire: θ_g, momentum, θ and AdamW's two moments, fp32.
+uint64_t state_bytes(int64_t params) { return 5 * 4 * uint64_t(params); }
 
 // A flat fp32 parameter array of n values (the codec fp32: raw little-endian floats), all finite.
 bool flat_values(const wire::Tensor& t, int64_t n, std::vector<float>* out) {
@@ -45,7 +50,13 @@ void Durability::begin(Ctx& c, int step, bool checkpoint, bool at_barrier) {
   at_barrier_ = at_barrier;
   step_ = step;
   waiting_.clear();
-  deadline_s_ = c.now + spec_.diloco.deadline_s;
+  // Every stage's state comes to the router at once, over its one link: the collection waits
+  // diloco.deadline_s plus their transfer together, and so does each request in it. A request
+  // given a hop's deadline passed it on a slow link while its state was still arriving, and the
+  // state was thrown away on arrival (a 16 Mbit/s router link lost every snapshot: docs/hosts.md).
+  uint64_t all_bytes = 0;
+  for (int64_t n : params_) all_bytes += state_bytes(n);
+  deadline_s_ = c.now + spec_.diloco.deadline_s + timing::transfer_allowance_s(double(all_bytes));
   for (int s = 0; s < int(params_.size()); ++s) {
     auto ps = c.peers.stage_peers(job_, s, c.now);
     if (ps.empty()) continue;
@@ -59,8 +70,9 @@ void Durability::begin(Ctx& c, int step, bool checkpoint, bool at_barrier) {
     pd.job = job_;
     pd.stage = s;
     pd.peer = d->id;
-    pd.deadline_s = c.now + c.deadline_for(*d, spec_.timeouts.backward_s);
-    pd.reply_bytes = 5 * 4 * uint64_t(params_[size_t(s)]);   // its whole state
+    pd.reply_bytes = state_bytes(params_[size_t(s)]);   // its whole state
+    // Ctx::request adds the allowance for this reply's own bytes.
+    pd.deadline_s = deadline_s_ - timing::transfer_allowance_s(double(pd.reply_bytes));
     c.request(pd, msg::make(body));
     waiting_.insert(d->id);
   }

@@ -450,6 +450,27 @@ TEST(Core, APeerDyingMidCheckpointSkipsThatCheckpointAndKeepsTheLast) {
   EXPECT_EQ(f.status(job)["checkpoints"]["written"], 1);
 }
 
+TEST(Core, AStateThatTakesSecondsToArriveStillMakesTheCheckpoint) {
+  // Every stage's state comes to the router at once over its link; on a slow one (a 16 Mbit/s
+  // router link, docs/hosts.md) each arrives seconds after it was asked for, past a hop's
+  // deadline (2 s here) but inside the collection's (diloco.deadline_s).
+  FakeSwarm f;
+  two_by_two(f);
+  for (auto& [id, p] : f.peers) p.reply_after_s[MsgType::kStateRequest] = 4.0;
+  json spec = FakeSwarm::tiny_spec(2, 4);
+  ASSERT_EQ(spec["diloco"]["deadline_s"], 5);
+  spec["checkpoint"] = {{"dir", "/ck"}, {"every_steps", 2}};
+  spec["routing"] = {{"rebalance", false}};
+  const uint64_t job = f.submit(f.client(), spec);
+  ASSERT_TRUE(f.run(120, [&] { return done(f, job); }));
+  EXPECT_FALSE(f.logged("skipped: no current state"));
+  EXPECT_FALSE(f.logged("(snapshot)"));
+  ASSERT_EQ(f.checkpoints["/ck"].size(), 2u);
+  for (const Checkpoint& ck : f.checkpoints["/ck"]) EXPECT_EQ(ck.stages.size(), 2u);
+  EXPECT_EQ(f.checkpoints["/ck"][0].step, 2);
+  EXPECT_EQ(f.checkpoints["/ck"][1].step, 4);
+}
+
 TEST(Core, AStageLosingItsLastPeerPausesAndResumesWhenOneJoins) {
   FakeSwarm f;
   const PeerId a = f.join("a", 0);

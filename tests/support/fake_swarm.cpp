@@ -233,7 +233,12 @@ void FakeSwarm::answer(FakePeer& p, wire::Message& m) {
     return;
   }
   const double ms = sim::work_units(req->type, sim::has_graph(p.book, *req));
-  if (std::optional<wire::Message> r = sim::reply(p.book, *req, fetched, ms, now, p.quirks, payloads_)) inbox_.emplace_back(p.id, std::move(*r));
+  std::optional<wire::Message> r = sim::reply(p.book, *req, fetched, ms, now, p.quirks, payloads_);
+  if (!r) return;
+  if (auto it = p.reply_after_s.find(m.type); it != p.reply_after_s.end())
+    later_.emplace(now + it->second, std::make_pair(p.id, std::move(*r)));
+  else
+    inbox_.emplace_back(p.id, std::move(*r));
 }
 
 bool FakeSwarm::run(double seconds, const std::function<bool()>& until) {
@@ -243,6 +248,7 @@ bool FakeSwarm::run(double seconds, const std::function<bool()>& until) {
     now += tick_s;
     std::deque<std::pair<PeerId, wire::Message>> due;
     due.swap(inbox_);
+    for (auto it = later_.begin(); it != later_.end() && it->first <= now; it = later_.erase(it)) due.push_back(std::move(it->second));
     for (auto& [id, m] : due) {
       const FakePeer& p = peers.at(id);
       if (p.alive && !p.silent) deliver(id, std::move(m));

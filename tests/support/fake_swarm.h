@@ -25,6 +25,9 @@ struct FakePeer {
   bool silent = false;    // alive (heartbeats) but answers nothing
   std::optional<wire::MsgType> silent_from;  // goes silent when it first receives this type
   bool auto_answer = true;
+  // Its reply to a request of this type reaches the router this many seconds later (a large
+  // reply on a slow link); every other reply arrives at the next tick.
+  std::map<wire::MsgType, double> reply_after_s;
   double claims_ms_per_unit = 0;   // the speed its heartbeats report (0: none yet)
   // What it loaded and holds, and how it lies (wrong shapes, false bad-input reports, a wrong
   // parameter count, its state hash): the simulator's stage server, sim/stage_replies.h.
@@ -86,6 +89,7 @@ class FakeSwarm {
   std::optional<wire::Message> fetch(FakePeer& p, const wire::Message& m, std::vector<int64_t>& fetched);
   sim::Payloads payloads_;
   std::deque<std::pair<PeerId, wire::Message>> inbox_;   // replies due at the next step
+  std::multimap<double, std::pair<PeerId, wire::Message>> later_;   // replies due at a time (reply_after_s)
   double last_beat_ = -1;
   std::string data_path_;
 };
