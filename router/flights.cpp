@@ -625,12 +625,12 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
     c.drop(*sl);
   } else {
     // The holder lives but the receiver could not reach it: the router relays the tensor, and
-    // a holder two receivers could not reach is relayed from now on.
+    // a holder two receivers could not reach is relayed for a while (Registry::relay).
     holder->unreachable_from.insert(pd.peer);
     if (!holder->relayed && holder->unreachable_from.size() >= 2) {
-      holder->relayed = true;
-      c.warn("peer " + holder->hello.name + " is relayed from now on: " + std::to_string(holder->unreachable_from.size()) +
-             " peers could not fetch from " + holder->hello.listen + " (last: " + why + ")");
+      c.peers.relay(*holder, c.now);
+      c.warn("peer " + holder->hello.name + " is relayed for " + std::to_string(int(holder->relayed_until_s - c.now)) + " s: " +
+             std::to_string(holder->unreachable_from.size()) + " peers could not fetch from " + holder->hello.listen + " (last: " + why + ")");
     }
     msg::Fetch body;
     body.key = held->key;

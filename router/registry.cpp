@@ -224,6 +224,35 @@ void Registry::ban(Peer& p, double now) {
   p.banned_until_s = now + timing::backoff_s(1.0, 60.0, p.bans);
 }
 
+void Registry::relay(Peer& p, double now) {
+  if (now - p.relay_ended_s > kRelayCapS) p.relays = 0;
+  p.relays++;
+  p.relayed = true;
+  p.relayed_until_s = now + timing::backoff_s(kRelayBaseS, kRelayCapS, p.relays);
+  relaying_.push_back(p.id);
+}
+
+std::vector<PeerId> Registry::relays_ended(double now) {
+  std::vector<PeerId> out;
+  if (relaying_.empty()) return out;
+  size_t keep = 0;
+  for (size_t i = 0; i < relaying_.size(); ++i) {
+    Peer* p = find(relaying_[i]);
+    if (!p || !p->relayed) continue;   // gone (a peer that rejoins starts unrelayed)
+    if (now < p->relayed_until_s) {
+      if (keep != i) relaying_[keep] = std::move(relaying_[i]);
+      keep++;
+      continue;
+    }
+    p->relayed = false;
+    p->unreachable_from.clear();
+    p->relay_ended_s = now;
+    out.push_back(p->id);
+  }
+  relaying_.resize(keep);
+  return out;
+}
+
 double Registry::timed_out(Peer& p, bool hop, double now) {
   p.timeouts++;
   // Not a ban (it may just be slow), but its expected speed halves, so it gets less work.

@@ -56,8 +56,13 @@ struct alignas(64) Peer {
   msg::Heartbeat heartbeat;       // its last heartbeat
   // Peer to peer: whether others fetch what it makes from its listen address. A peer without
   // one, or one that receivers could not reach, is relayed: its tensors go through the router.
+  // Relayed because receivers could not reach it: for a while (Registry::relay), then fetched from
+  // directly again.
   bool relayed = false;
   std::set<PeerId> unreachable_from;   // receivers that could not fetch from it
+  double relayed_until_s = 0;          // when its relay ends
+  int relays = 0;                      // relays in a row (each one twice as long)
+  double relay_ended_s = -1e300;
   // Pushes to it (PUSH to the holders of its hops' inputs), and those it reported late (fetched
   // instead): a peer whose pushes do not arrive (its listen address does not reach it) is no
   // longer pushed to, and fetches what it needs.
@@ -127,6 +132,15 @@ class Registry {
 
   // An error from the peer: no new work until the ban ends (1 s, doubling per ban, up to 60 s).
   void ban(Peer& p, double now);
+  // Receivers could not fetch from it: its tensors go through the router for kRelayBaseS,
+  // doubling with each relay in a row up to kRelayCapS (a relay that ended over kRelayCapS ago
+  // does not count), then receivers fetch from it again. A link too busy for a fetch's window
+  // for a minute is relayed for a while, not for good; a holder behind a NAT costs two failed
+  // fetches per relay, ever rarer.
+  static constexpr double kRelayBaseS = 30, kRelayCapS = 600;
+  void relay(Peer& p, double now);
+  // Peers whose relay ended by `now`: receivers fetch from them again. Their ids.
+  std::vector<PeerId> relays_ended(double now);
   bool banned(const Peer& p, double now) const { return now < p.banned_until_s; }
   uint64_t bans_total() const { return bans_total_; }   // bans of every peer since the router started
   // A deadline passed without an answer: counted; a hop's timeout also halves its expected
@@ -196,6 +210,7 @@ class Registry {
   uint64_t bans_total_ = 0;
   uint64_t ready_changes_ = 0;
   std::map<PeerId, Peer> peers_;
+  std::vector<PeerId> relaying_;   // peers relayed by relay(), until relays_ended() ends them
   PeerIndex by_id_;   // find() without walking peers_ (kept in add and remove)
   // (expiry time as filed, peer) of every peer, ordered by time then id (pointers into peers_,
   // stable until erased). An entry is filed at a time its peer's last_seen_s has since passed

@@ -1178,11 +1178,44 @@ TEST(CoreP2p, AHolderOthersCannotReachIsRelayedByTheRouter) {
   EXPECT_EQ(st["microbatches"]["lost"], 0);
   EXPECT_GT(st["hops"]["fetch_failures"].get<uint64_t>(), 0u);
   EXPECT_GT(st["hops"]["relayed_by_router"].get<uint64_t>(), 0u);
-  // Two receivers (b0, b1) could not reach it: it is relayed for good, and says so.
-  EXPECT_TRUE(f.logged("peer a0 is relayed from now on"));
+  // Two receivers (b0, b1) could not reach it: it is relayed for a while, and says so.
+  EXPECT_TRUE(f.logged("peer a0 is relayed for 30 s"));
   EXPECT_GT(received(f, "p-a0", MsgType::kFetch), 0u);
   f.run(0.3);   // the last RELEASEs
   EXPECT_EQ(f.peers.at("p-a0").book.held.size(), 0u);
+}
+
+TEST(CoreP2p, ARelayedHolderIsFetchedFromAgainOnceItsRelayEndsAndRelayedLongerIfStillUnreachable) {
+  // Two fetches that did not make it within their window (a link busy for a minute) relayed a
+  // holder for the rest of its session; now for 30 s, then twice as long each time in a row.
+  FakeSwarm f;
+  f.peers_listen = true;
+  f.join("a0", 0);
+  f.join("b0", 1);
+  f.join("b1", 1);
+  f.join("c0", 2);
+  f.peers.at("p-a0").unreachable = true;
+  const uint64_t first = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(60, [&] { return done(f, first); }));
+  ASSERT_TRUE(f.logged("peer a0 is relayed for 30 s"));
+  // Its link is fine again; once the relay ends, receivers fetch from it.
+  f.peers.at("p-a0").unreachable = false;
+  ASSERT_TRUE(f.run(40, [&] { return f.logged("peer a0 is fetched from directly again"); }));
+  const uint64_t fetched_before = f.peers.at("p-b0").fetched_bytes + f.peers.at("p-b1").fetched_bytes;
+  const uint64_t relayed_before = received(f, "p-a0", MsgType::kFetch);
+  const uint64_t second = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(60, [&] { return done(f, second); }));
+  const json st = f.status(second);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_EQ(st["hops"]["fetch_failures"], 0) << st["hops"].dump();
+  EXPECT_EQ(received(f, "p-a0", MsgType::kFetch), relayed_before);   // nothing relayed
+  EXPECT_GT(f.peers.at("p-b0").fetched_bytes + f.peers.at("p-b1").fetched_bytes, fetched_before);
+  // Unreachable again: relayed again, for twice as long.
+  f.peers.at("p-a0").unreachable = true;
+  const uint64_t third = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(60, [&] { return done(f, third); }));
+  EXPECT_EQ(f.status(third)["microbatches"]["lost"], 0);
+  EXPECT_TRUE(f.logged("peer a0 is relayed for 60 s"));
 }
 
 TEST(CoreP2p, AReferenceAnsweredForAnotherRequestIsRejectedAsALie) {
