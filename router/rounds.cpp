@@ -5,8 +5,16 @@
 #include <functional>
 
 #include "runtime/diloco.h"
+#include "runtime/timing.h"
 
 namespace swarm::router {
+
+namespace {
+
+// A member's outer gradient on the wire: at most f32 per parameter.
+uint64_t delta_bytes(int64_t params) { return 4 * uint64_t(params); }
+
+}  // namespace
 
 int delta_round_due(const JobSpec& spec, int step, int last_round_step, bool end) {
   if (dense_step(spec, step) || step == last_round_step) return -1;
@@ -143,13 +151,25 @@ void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
   round_bytes_.clear();
   stages_.clear();
   stages_.resize(params_.size());
+  std::vector<std::vector<Peer*>> members_of(params_.size());
+  uint64_t inline_bytes = 0;
   for (int s = 0; s < int(params_.size()); ++s) {
     Stage& st = stages_[size_t(s)];
-    const std::vector<Peer*> members = c.peers.stage_peers(job_, s, c.now);
+    std::vector<Peer*>& members = members_of[size_t(s)];
+    members = c.peers.stage_peers(job_, s, c.now);
     // Peer to peer when every member takes fetches: member j owns part j.
     bool all_hold = !members.empty();
     for (const Peer* p : members) all_hold &= p->can_hold();
     st.p2p = spec_.routing.hops == Hops::kP2p && all_hold;
+    if (!st.p2p) inline_bytes += members.size() * delta_bytes(params_[size_t(s)]);
+  }
+  // Deltas sent inline all come to the router at once over its one link: the round waits for
+  // their transfer together, and so does each such request (as a snapshot does: a delta that
+  // passed a hop's deadline on a slow link was left out of the round as it arrived).
+  deadline_s_ += timing::transfer_allowance_s(double(inline_bytes));
+  for (int s = 0; s < int(params_.size()); ++s) {
+    Stage& st = stages_[size_t(s)];
+    const std::vector<Peer*>& members = members_of[size_t(s)];
     st.shards = st.p2p ? std::min<int>(int(members.size()), msg::kMaxShards) : 1;
     msg::RoundBegin b;
     static_cast<msg::RoundRef&>(b) = ref(s);
@@ -160,8 +180,11 @@ void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
       pd.job = job_;
       pd.stage = s;
       pd.peer = p->id;
-      pd.deadline_s = c.now + c.deadline_for(*p, spec_.timeouts.backward_s);
-      pd.reply_bytes = 4 * uint64_t(params_[size_t(s)]);   // its delta, at most f32
+      pd.reply_bytes = delta_bytes(params_[size_t(s)]);
+      // Held (peer to peer), the reply is small and the peer is timed as for any request;
+      // inline, Ctx::request adds the allowance for this reply's own bytes.
+      pd.deadline_s = st.p2p ? c.now + c.deadline_for(*p, spec_.timeouts.backward_s)
+                             : deadline_s_ - timing::transfer_allowance_s(double(pd.reply_bytes));
       pd.hold = st.p2p;
       wire::Message m = msg::make(b);
       m.hold = st.p2p;
