@@ -529,7 +529,9 @@ void TrainingJob::after_step(Ctx& c) {
     return;
   }
   const bool ckpt = dur_.checkpoint_due(steps_done_, end);
-  if (ckpt || dur_.snapshot_due(steps_done_, rounds_.count(), dense_step(spec_, steps_done_))) {
+  // At the end only a checkpoint is worth a snapshot: the job's state leaves the router's memory
+  // as it finishes, and every stage's state into the router is the largest transfer it asks for.
+  if (ckpt || (!end && dur_.snapshot_due(steps_done_, rounds_.count(), dense_step(spec_, steps_done_)))) {
     phase_ = Phase::kSnapshot;
     dur_.begin(c, steps_done_, ckpt);
     return;

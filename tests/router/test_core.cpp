@@ -487,6 +487,24 @@ TEST(Core, OuterGradientsThatTakeSecondsToArriveStillCountInTheirRound) {
   EXPECT_EQ(f.status(job)["rounds"], 2);
 }
 
+TEST(Core, AJobWithoutCheckpointsAsksForNoSnapshotAtItsEnd) {
+  // Rounds at steps 2 and 4 (the end). The snapshot after the first keeps the stages' state for a
+  // peer that must be restored; one after the last would move every stage's state to the router
+  // as the job finishes, to be dropped with it.
+  FakeSwarm f;
+  two_by_two(f);
+  json spec = FakeSwarm::tiny_spec(2, 4);
+  spec["routing"] = {{"rebalance", false}};
+  const uint64_t job = f.submit(f.client(), spec);
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  ASSERT_EQ(f.status(job)["rounds"], 2);
+  size_t snapshots = 0;
+  for (const auto& [id, p] : f.peers)
+    for (const auto& m : p.received)
+      if (m.type == MsgType::kStateRequest && msg::read<msg::StateRequest>(m).full) snapshots++;
+  EXPECT_EQ(snapshots, 2u);   // one peer of each stage, once
+}
+
 TEST(Core, AStageLosingItsLastPeerPausesAndResumesWhenOneJoins) {
   FakeSwarm f;
   const PeerId a = f.join("a", 0);
