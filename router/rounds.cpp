@@ -405,8 +405,14 @@ void Rounds::reduce_part(Ctx& c, int s, int j) {
   pd.stage = s;
   pd.peer = owner.id;
   pd.hold = st.p2p;
-  pd.deadline_s = c.now + c.deadline_for(owner, spec_.timeouts.backward_s);
+  pd.deadline_s = phase_deadline(c, owner, st.p2p);
   c.request(pd, std::move(m));
+}
+
+double Rounds::phase_deadline(const Ctx& c, const Peer& p, bool p2p) const {
+  // Inline, every stage's parts (or means) cross the router's one link at once: the request
+  // waits as long as a phase of the round does. Held, it is timed as any request.
+  return p2p ? c.now + c.deadline_for(p, spec_.timeouts.backward_s) : c.now + spec_.diloco.deadline_s;
 }
 
 void Rounds::apply(Ctx& c, int s) {
@@ -432,7 +438,7 @@ void Rounds::apply(Ctx& c, int s) {
     pd.job = job_;
     pd.stage = s;
     pd.peer = p->id;
-    pd.deadline_s = c.now + c.deadline_for(*p, spec_.timeouts.backward_s);
+    pd.deadline_s = phase_deadline(c, *p, st.p2p);
     c.request(pd, std::move(m));
     st.waiting.insert(p->id);
     if (what_ == msg::RoundWhat::kGrad) {

@@ -144,6 +144,9 @@ class Rounds {
   int64_t part_values(int stage, int shards, int j) const;
   void reduce(Ctx& c, int s);
   void reduce_part(Ctx& c, int s, int j);
+  // A ROUND_REDUCE's or ROUND_APPLY's deadline: diloco.deadline_s when its tensors go inline
+  // (through the router's link, with every other stage's), else a request's usual one.
+  double phase_deadline(const Ctx& c, const Peer& p, bool p2p) const;
   void apply(Ctx& c, int s);
   void vote(Ctx& c, int s);
   void release(Ctx& c, Stage& st);
