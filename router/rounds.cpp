@@ -163,9 +163,11 @@ void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
     st.p2p = spec_.routing.hops == Hops::kP2p && all_hold;
     if (!st.p2p) inline_bytes += members.size() * delta_bytes(params_[size_t(s)]);
   }
-  // Deltas sent inline all come to the router at once over its one link: the round waits for
-  // their transfer together, and so does each such request (as a snapshot does: a delta that
-  // passed a hop's deadline on a slow link was left out of the round as it arrived).
+  // Deltas sent inline all come to the router at once over its one link, and the parts and means
+  // of the reduce and the apply leave it at once: the round, and each of its inline requests, is
+  // allowed their transfer together (a delta that passed a deadline counting its own bytes alone
+  // was left out of the round as it arrived on a slow link).
+  inline_bytes_ = inline_bytes;
   deadline_s_ += timing::transfer_allowance_s(double(inline_bytes));
   for (int s = 0; s < int(params_.size()); ++s) {
     Stage& st = stages_[size_t(s)];
@@ -181,10 +183,7 @@ void Rounds::begin(Ctx& c, const RoundPlan& plan, int step) {
       pd.stage = s;
       pd.peer = p->id;
       pd.reply_bytes = delta_bytes(params_[size_t(s)]);
-      // Held (peer to peer), the reply is small and the peer is timed as for any request;
-      // inline, Ctx::request adds the allowance for this reply's own bytes.
-      pd.deadline_s = st.p2p ? c.now + c.deadline_for(*p, spec_.timeouts.backward_s)
-                             : deadline_s_ - timing::transfer_allowance_s(double(pd.reply_bytes));
+      pd.deadline_s = phase_deadline(c, *p, st.p2p);
       pd.hold = st.p2p;
       wire::Message m = msg::make(b);
       m.hold = st.p2p;
@@ -410,9 +409,11 @@ void Rounds::reduce_part(Ctx& c, int s, int j) {
 }
 
 double Rounds::phase_deadline(const Ctx& c, const Peer& p, bool p2p) const {
-  // Inline, every stage's parts (or means) cross the router's one link at once: the request
-  // waits as long as a phase of the round does. Held, it is timed as any request.
-  return p2p ? c.now + c.deadline_for(p, spec_.timeouts.backward_s) : c.now + spec_.diloco.deadline_s;
+  // Timed as any request (a member that hangs is left out within seconds), and, inline, allowed
+  // the transfer of the whole round's inline bytes over the router's link, with which it shares
+  // it (Ctx::request adds its own bytes' allowance on top).
+  const double own = c.now + c.deadline_for(p, spec_.timeouts.backward_s);
+  return p2p ? own : own + timing::transfer_allowance_s(double(inline_bytes_));
 }
 
 void Rounds::apply(Ctx& c, int s) {

@@ -144,8 +144,8 @@ class Rounds {
   int64_t part_values(int stage, int shards, int j) const;
   void reduce(Ctx& c, int s);
   void reduce_part(Ctx& c, int s, int j);
-  // A ROUND_REDUCE's or ROUND_APPLY's deadline: diloco.deadline_s when its tensors go inline
-  // (through the router's link, with every other stage's), else a request's usual one.
+  // A round request's deadline: a request's usual one, plus, when its tensors go inline (through
+  // the router's link, with every other stage's), the allowance for the round's inline bytes.
   double phase_deadline(const Ctx& c, const Peer& p, bool p2p) const;
   void apply(Ctx& c, int s);
   void vote(Ctx& c, int s);
@@ -164,6 +164,7 @@ class Rounds {
   msg::RoundWhat what_ = msg::RoundWhat::kDelta;
   int fragment_ = 0;
   double deadline_s_ = 0;
+  uint64_t inline_bytes_ = 0;   // the open round's outer gradients sent inline, all members of all stages [bytes]
   double begun_s_ = 0;
   std::map<std::string, metrics::Histogram> durations_;
   std::vector<Stage> stages_;
