@@ -951,6 +951,17 @@ std::vector<PeerId> three_by_two_p2p(FakeSwarm& f) {
   return {f.join("a0", 0), f.join("a1", 0), f.join("b0", 1), f.join("b1", 1), f.join("c0", 2), f.join("c1", 2)};
 }
 
+// Peer to peer, 3 stages: a0 makes stage 1's inputs, and b0 and b1 both fetch from it; `a0_cut`:
+// it answers the router, but no peer can dial it.
+void one_two_one_p2p(FakeSwarm& f, bool a0_cut) {
+  f.peers_listen = true;
+  f.join("a0", 0);
+  f.join("b0", 1);
+  f.join("b1", 1);
+  f.join("c0", 2);
+  f.peers.at("p-a0").unreachable = a0_cut;
+}
+
 size_t held_total(const FakeSwarm& f) {
   size_t n = 0;
   for (const auto& [id, p] : f.peers) n += p.book.held.size();
@@ -1206,12 +1217,7 @@ TEST(CoreP2p, AHolderDyingMidBackwardHasItsTensorsMadeAgainAndNothingIsLost) {
 
 TEST(CoreP2p, AHolderOthersCannotReachIsRelayedByTheRouter) {
   FakeSwarm f;
-  f.peers_listen = true;
-  f.join("a0", 0);
-  f.join("b0", 1);
-  f.join("b1", 1);
-  f.join("c0", 2);
-  f.peers.at("p-a0").unreachable = true;  // it answers the router, but no peer can dial it
+  one_two_one_p2p(f, /*a0_cut=*/true);
   const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
   ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
   const json st = f.status(job);
@@ -1229,12 +1235,7 @@ TEST(CoreP2p, ARelayedHolderIsFetchedFromAgainOnceItsRelayEndsAndRelayedLongerIf
   // Two fetches that did not make it within their window (a link busy for a minute) relayed a
   // holder for the rest of its session; now for 30 s, then twice as long each time in a row.
   FakeSwarm f;
-  f.peers_listen = true;
-  f.join("a0", 0);
-  f.join("b0", 1);
-  f.join("b1", 1);
-  f.join("c0", 2);
-  f.peers.at("p-a0").unreachable = true;
+  one_two_one_p2p(f, /*a0_cut=*/true);
   const uint64_t first = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
   ASSERT_TRUE(f.run(60, [&] { return done(f, first); }));
   ASSERT_TRUE(f.logged("peer a0 is relayed for 30 s"));
