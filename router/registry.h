@@ -55,14 +55,13 @@ struct alignas(64) Peer {
   int last_from = -1;             // the stage it was last moved from
   msg::Heartbeat heartbeat;       // its last heartbeat
   // Peer to peer: whether others fetch what it makes from its listen address. A peer without
-  // one, or one that receivers could not reach, is relayed: its tensors go through the router.
-  // Relayed because receivers could not reach it: for a while (Registry::relay), then fetched from
-  // directly again.
+  // one is relayed: its tensors go through the router. One that receivers could not reach is
+  // relayed for a while (Registry::relay), then fetched from directly again.
   bool relayed = false;
-  std::set<PeerId> unreachable_from;   // receivers that could not fetch from it
+  std::set<PeerId> unreachable_from;   // receivers that could not fetch from it (since its last relay ended)
   double relayed_until_s = 0;          // when its relay ends
   int relays = 0;                      // relays in a row (each one twice as long)
-  double relay_ended_s = -1e300;
+  double relay_ended_s = -1e300;       // when its last relay ended
   // Pushes to it (PUSH to the holders of its hops' inputs), and those it reported late (fetched
   // instead): a peer whose pushes do not arrive (its listen address does not reach it) is no
   // longer pushed to, and fetches what it needs.
