@@ -295,7 +295,9 @@ void RouterCore::Impl::on_error_reply(Ctx& c, Peer& p, const Pending& pd, Job& j
   if (pd.kind == ReqKind::kFetch) return j.on_failed(c, pd, false, -1, e.message);
   // A tensor the peer could not fetch from its holder: the holder, or the link, is the problem.
   if ((e.code == int(WireErrc::kUnreachable) || e.code == int(WireErrc::kNotHeld)) && e.tensor)
-    return j.on_fetch_failed(c, pd, *e.tensor, e.code == int(WireErrc::kNotHeld), e.message);
+    return j.on_fetch_failed(c, pd, *e.tensor,
+                             e.code == int(WireErrc::kNotHeld) ? FetchMiss::kNotHeld : e.reached ? FetchMiss::kBusyLink : FetchMiss::kUnreachable,
+                             e.message);
   peers.ban(p, c.now);
   j.on_failed(c, pd, true, -1, e.message);
 }

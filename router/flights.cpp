@@ -188,6 +188,7 @@ bool Flights::repair(Flight& f) {
   }
   remade++;
   f.attempts = 0;
+  f.busy_link = false;
   f.tried.clear();
   f.suspect_tensor = -1;
   f.suspect_reporter.clear();
@@ -482,6 +483,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   track(pd.key, f);
   f.tried.clear();
   f.attempts = 0;
+  f.busy_link = false;
   f.not_before_s = 0;
   if (r.codec_us && r.codec_us->size() == 4) out.codec_us = *r.codec_us;
   if (r.push_late && *r.push_late > 0) late_pushes(c, p, uint64_t(*r.push_late));
@@ -603,7 +605,7 @@ HopFailure Flights::on_failed(Ctx& c, const Pending& pd, bool error, int bad_ten
   return out;
 }
 
-HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) {
+HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, FetchMiss miss, const std::string& why) {
   room_at(pd.stage);
   auto it = locate(pd.key);
   if (it == flights_.end() || it->second.req_id != pd.id) return {};
@@ -620,13 +622,18 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool no
   if (Peer* to = c.peers.find(pd.peer); to && slot < 8 && (pd.pushed >> slot) & 1u) late_pushes(c, *to, 1);
   HopFailure out;
   Peer* holder = c.peers.find(held->holder);
-  if (!holder || not_held) {
+  if (!holder || miss == FetchMiss::kNotHeld) {
     // Gone with its holder: made again one stage back when the hop is next dispatched.
     c.drop(*sl);
+  } else if (miss == FetchMiss::kBusyLink && !f.busy_link) {
+    // The holder sent the receiver tensors lately, so its link is busy, not cut: the hop goes
+    // again as it was, once, and a receiver chosen again takes the answer still on its way.
+    f.busy_link = true;
   } else {
-    // The holder lives but the receiver could not reach it: the router relays the tensor, and
-    // a holder two receivers could not reach is relayed for a while (Registry::relay).
-    holder->unreachable_from.insert(pd.peer);
+    // The holder lives but the receiver could not reach it (or, twice for this hop, not in
+    // time): the router relays the tensor, and a holder two receivers could not reach at all
+    // is relayed for a while (Registry::relay).
+    if (miss == FetchMiss::kUnreachable) holder->unreachable_from.insert(pd.peer);
     if (!holder->relayed && holder->unreachable_from.size() >= 2) {
       c.peers.relay(*holder, c.now);
       c.warn("peer " + holder->hello.name + " is relayed for " + std::to_string(int(holder->relayed_until_s - c.now)) + " s: " +
@@ -700,6 +707,7 @@ void Flights::go_back(Ctx& c, Flight& f, int bad) {
     f.kind = f.stage == cfg_.stages - 1 ? HopKind::kForwardLoss : HopKind::kBackward;
   }
   f.attempts = 0;
+  f.busy_link = false;
   f.not_before_s = 0;
   f.suspect_tensor = -1;
   f.suspect_reporter.clear();

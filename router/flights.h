@@ -76,6 +76,7 @@ struct Flight {
   PeerId suspect_reporter;            // ...this one; a second opinion decides
   // A backward whose stage input was lost runs the forward before it again, then resumes here.
   int resume_stage = -1;
+  bool busy_link = false;             // this hop was sent again once because a busy link held up a fetch (FetchMiss::kBusyLink)
   uint64_t upload_req = 0;            // a FETCH relaying a held tensor of the current hop through the router
   // The request whose output its maker pushes, as soon as it is made, to ahead_to: the peer
   // expected to take the next hop (a backward's next goes to the peer of that stage's forward).
@@ -153,9 +154,8 @@ class Flights {
   void dispatch(Ctx& c);
   HopOutcome on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message& m);
   HopFailure on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why);
-  // The receiver could not fetch request tensor `slot` from its holder (`not_held`: the holder
-  // answered that it no longer has it).
-  HopFailure on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why);
+  // The receiver could not fetch request tensor `slot` from its holder.
+  HopFailure on_fetch_failed(Ctx& c, const Pending& pd, int slot, FetchMiss miss, const std::string& why);
   // The router's own FETCH of a held tensor (the relay) answered, or failed.
   HopOutcome on_uploaded(Ctx& c, Peer& p, const Pending& pd, wire::Message& m);
   void on_upload_failed(Ctx& c, const Pending& pd);

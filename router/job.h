@@ -24,6 +24,13 @@ namespace swarm::router {
 
 // A tensor a peer made and keeps (peer to peer): the reply to request `key` carried it as its
 // part `part`.
+// Why a receiver could not fetch a held tensor (ERROR unreachable or not_held, docs/protocol.md).
+enum class FetchMiss {
+  kUnreachable,   // no answer in the window, and the holder has sent the receiver nothing lately
+  kBusyLink,      // no answer in the window from a holder that sent the receiver a tensor lately (`reached`)
+  kNotHeld,       // the holder answered that it no longer has it
+};
+
 struct Held {
   PeerId holder;
   uint64_t key = 0;
@@ -242,7 +249,7 @@ class Job {
   virtual void on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) = 0;
   // The peer could not fetch request tensor `slot` from the peer holding it (ERROR unreachable,
   // or not_held when the holder no longer has it).
-  virtual void on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) {
+  virtual void on_fetch_failed(Ctx& c, const Pending& pd, int slot, FetchMiss miss, const std::string& why) {
     on_failed(c, pd, false, -1, why);
   }
   // Moves the job forward (called after every event).

@@ -229,10 +229,10 @@ void TrainingJob::on_failed(Ctx& c, const Pending& pd, bool error, int bad_tenso
   }
 }
 
-void TrainingJob::on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) {
+void TrainingJob::on_fetch_failed(Ctx& c, const Pending& pd, int slot, FetchMiss miss, const std::string& why) {
   if (pd.kind == ReqKind::kRoundReduce || pd.kind == ReqKind::kRoundApply) return rounds_.on_fetch_failed(c, pd, slot);
   if (pd.kind != ReqKind::kHop) return on_failed(c, pd, false, -1, why);
-  const HopFailure f = flights_.on_fetch_failed(c, pd, slot, not_held, why);
+  const HopFailure f = flights_.on_fetch_failed(c, pd, slot, miss, why);
   if (!f.blame.empty()) integrity_failure(c, f.blame, f.why);
   if (f.exhausted) finish(c, JobState::kFailed, f.why);
 }

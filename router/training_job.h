@@ -47,7 +47,7 @@ class TrainingJob : public Job {
   void on_peer_gone(Ctx& c, const Peer& p) override;
   void on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) override;
   void on_failed(Ctx& c, const Pending& pd, bool error, int bad_tensor, const std::string& why) override;
-  void on_fetch_failed(Ctx& c, const Pending& pd, int slot, bool not_held, const std::string& why) override;
+  void on_fetch_failed(Ctx& c, const Pending& pd, int slot, FetchMiss miss, const std::string& why) override;
   void advance(Ctx& c) override;
   void on_checkpoint_written(Ctx& c, const CheckpointWritten& r) override { dur_.on_written(c, r); }
   void duplicate(uint64_t request) override {

@@ -153,6 +153,9 @@ struct Error {
   std::string name;                     // the code's name ("malformed", "bad_job_spec", ...)
   std::optional<int32_t> request_type;  // the offending request's type, when it could be decoded
   std::optional<int32_t> tensor;        // bad_tensor about a request tensor: its index (its maker is to blame)
+  // unreachable: the holder sent this peer a tensor within timing::kHeardWithinS, so its link is
+  // busy rather than cut (the router sends the hop again before it relays anything).
+  bool reached = false;
   template <class V>
   void visit(V& v) {
     v.field("code", code, kRequired, 0, 1000);
@@ -160,6 +163,7 @@ struct Error {
     v.field("name", name, kOptional, size_t(64));
     v.field("request_type", request_type, kOptional, 0, 1000);
     v.field("tensor", tensor, kOptional, 0, int64_t(limits::kMaxFrames));
+    v.field("reached", reached, kOptional);
   }
 };
 

@@ -41,6 +41,12 @@ inline uint32_t fetch_within_ms(double until_deadline_s) {
   return uint32_t(std::clamp(0.75 * until_deadline_s * 1000.0, 1.0, double(kMaxFetchWithinMs)));
 }
 
+// A receiver whose holder sent it a tensor (a fetch's answer, a push) within this long, and who
+// then waits out a fetch's window from that holder, reports the holder as reached
+// (msg::Error::reached): a busy link, not a cut one, which the router answers by sending the hop
+// again before it relays anything. A holder silent this long is unreachable from the receiver.
+constexpr double kHeardWithinS = 10;
+
 // How long a receiver waits for a request's references: its own timeout, or less where the
 // request asks (fetch_within_ms; 0: not asked).
 inline double fetch_window_s(double own_timeout_s, uint32_t within_ms) {

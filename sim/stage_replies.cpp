@@ -75,6 +75,7 @@ wire::Message fetch_error(const wire::Message& req, uint32_t slot, FetchFailure 
   wire::Message e = msg::error_reply(&req, code, "cannot fetch tensor " + std::to_string(slot) + " from " + from);
   msg::Error body = msg::read<msg::Error>(e);
   body.tensor = int32_t(slot);
+  body.reached = why == FetchFailure::kBusyLink;
   e.body = msg::pack(body);
   return e;
 }

@@ -103,7 +103,10 @@ std::vector<const wire::TensorRef*> to_fetch(const StageBook& b, const wire::Mes
 void keep_copy(StageBook& b, uint64_t key, uint64_t bytes);
 void drop_copy(StageBook& b, uint64_t key);
 
-enum class FetchFailure { kUnreachable, kNotHeld };
+// kBusyLink: not in the window from a holder that sent the receiver tensors lately (ERROR
+// unreachable with `reached`); the simulator's own peers never report it (a transfer under way
+// is not cut off at the window there).
+enum class FetchFailure { kUnreachable, kNotHeld, kBusyLink };
 // The answer to `req` when reference slot `slot` (held at `from`) could not be fetched.
 wire::Message fetch_error(const wire::Message& req, uint32_t slot, FetchFailure why, const std::string& from);
 

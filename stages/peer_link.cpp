@@ -102,7 +102,7 @@ void PeerLink::ready(const std::vector<zmq::pollitem_t>& items, size_t first, do
       auto r = wire::recv_frames(*it->second.sock, false, zmq::recv_flags::dontwait);
       if (!r) break;
       it->second.last_used = now;
-      on_fetch_reply(*r, address);
+      on_fetch_reply(*r, address, now);
     }
   }
   // Dialers nobody used for a while are closed (their holders may be long gone).
@@ -113,6 +113,7 @@ void PeerLink::ready(const std::vector<zmq::pollitem_t>& items, size_t first, do
     else ++it;
   }
   for (auto it = pushers_.begin(); it != pushers_.end();) it = now - it->second.last_used > kDialerIdleS ? pushers_.erase(it) : std::next(it);
+  for (auto it = heard_.begin(); it != heard_.end();) it = now - it->second > timing::kHeardWithinS ? heard_.erase(it) : std::next(it);
 }
 
 wire::Message PeerLink::serve(const wire::Message& fetch) {
@@ -169,6 +170,7 @@ void PeerLink::on_push(wire::Message& m, double now) {
       w.got[i] = std::move(mine);
       w.fetched[r.slot] += int64_t(t.desc.wire_bytes());
       w.missing--;
+      heard_[holder_of(r)] = now;
       used = true;
     }
   }
@@ -217,7 +219,7 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
       wire::decompress(*t);  // kept packed as it travels (entropy=zstd); used here as the codec's bytes
       w.got[i] = std::move(t);  // made, fetched or pushed here before
       if (auto e = early_.find({r.key, r.part}); e != early_.end()) {
-        w.fetched[r.slot] += int64_t(e->second);   // pushed before the request came: it crossed a link for it
+        w.fetched[r.slot] += int64_t(e->second);   // pushed (or a late fetch's answer) before the request came: it crossed a link for it
         early_.erase(e);
         // Kept for this request alone: an EVAL or a round uses it once.
         if (!msg::Hop::keeps_copies(w.msg.type)) holdings_.drop(r.key, r.part);
@@ -230,6 +232,16 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
       continue;
     }
     if (cut_) continue;  // partitioned: times out
+    if (auto l = late_fetches_.find({r.key, r.part}); l != late_fetches_.end()) {
+      // Asked for by a request that gave up on it: that FETCH's answer is what this one waits for.
+      auto f = fetching_.find(l->second);
+      late_fetches_.erase(l);
+      if (f != fetching_.end() && f->second.address == holder_of(r) && dialers_.count(f->second.address)) {
+        f->second.request = wid;
+        f->second.ref = i;
+        continue;
+      }
+    }
     if (r.pushed) {
       w.push_until[i] = now + timing::push_wait_s(r.desc.wire_bytes(), w.window_s);   // on its way: fetched only if it is late
       continue;
@@ -252,12 +264,12 @@ void PeerLink::fetch(uint64_t wid, Waiting& w, size_t i, double now) {
   f.part = int32_t(r.part);
   const uint64_t fid = next_fetch_++;
   wire::Message q = msg::make(wire::MsgType::kFetch, f, fid);
-  fetching_[fid] = Fetching{wid, i, holder};
+  fetching_[fid] = Fetching{wid, i, holder, r.key, r.part};
   fetches++;
   if (!wire::send(*dialer(dialers_, holder, r.from_key, now, kFetchQueue).sock, q)) fail(w, i, WireErrc::kUnreachable, "cannot queue a FETCH to " + r.from);
 }
 
-void PeerLink::fail(Waiting& w, size_t ref, WireErrc code, const std::string& why) {
+void PeerLink::fail(Waiting& w, size_t ref, WireErrc code, const std::string& why, bool reached) {
   if (w.error) return;  // the first failure is the one reported
   msg::Error e;
   e.code = int32_t(code);
@@ -265,16 +277,41 @@ void PeerLink::fail(Waiting& w, size_t ref, WireErrc code, const std::string& wh
   e.message = why;
   e.request_type = int32_t(w.msg.type);
   e.tensor = int32_t(w.msg.refs[ref].slot);
+  e.reached = reached;
   w.error = msg::make(e, w.msg.id, w.msg.attempt);
 }
 
-void PeerLink::on_fetch_reply(wire::Received& r, const std::string& address) {
+double PeerLink::heard_ago_s(const std::string& holder, double now) const {
+  auto h = heard_.find(holder);
+  return h == heard_.end() ? 1e300 : now - h->second;
+}
+
+void PeerLink::late_answer(const Fetching& fetch, wire::Received& r, double now) {
+  if (auto l = late_fetches_.find({fetch.key, fetch.part}); l != late_fetches_.end() && fetching_.count(l->second) == 0) late_fetches_.erase(l);
+  heard_[fetch.address] = now;
+  try {
+    wire::Message m = wire::decode(r.frames);
+    if (m.type != wire::MsgType::kFetched || m.tensors.size() != 1) return;
+    // Kept as a push that came before its request is: checked against the reference when one
+    // comes, and counted as fetched then.
+    early_[{fetch.key, fetch.part}] = m.tensors[0].desc.wire_bytes();
+    if (early_.size() > kMaxEarly) early_.erase(early_.begin());
+    fetch_bytes += m.tensors[0].desc.wire_bytes();
+    holdings_.put(fetch.key, fetch.part, std::move(m.tensors[0]), true, now);
+  } catch (const InputError&) {
+    // Damaged: a request that wants it fetches it again.
+  }
+}
+
+void PeerLink::on_fetch_reply(wire::Received& r, const std::string& address, double now) {
   const std::optional<uint64_t> fid = wire::peek_id(r.frames);
   if (!fid) return;
   auto f = fetching_.find(*fid);
   if (f == fetching_.end() || f->second.address != address) return;  // late: its request timed out
   const Fetching fetch = f->second;
   fetching_.erase(f);
+  if (fetch.request == 0) return late_answer(fetch, r, now);
+  heard_[address] = now;
   auto wi = waiting_.find(fetch.request);
   if (wi == waiting_.end()) return;
   Waiting& w = wi->second;
@@ -325,14 +362,17 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
     if (!w.error && w.missing > 0 && now > w.deadline) {
       for (size_t i = 0; i < w.got.size(); ++i)
         if (!w.got[i]) {
-          fail(w, i, WireErrc::kUnreachable,
-               "could not fetch tensor " + std::to_string(w.msg.refs[i].slot) + " from " + w.msg.refs[i].from + " within " +
-                   shortest_number(w.window_s) + " s");
+          const wire::TensorRef& r = w.msg.refs[i];
+          std::string why = "could not fetch tensor " + std::to_string(r.slot) + " from " + r.from + " within " + shortest_number(w.window_s) + " s";
+          const double heard = heard_ago_s(holder_of(r), now);
+          if (heard <= timing::kHeardWithinS) why += " (it sent this peer a tensor " + shortest_number(heard) + " s ago: a busy link)";
+          fail(w, i, WireErrc::kUnreachable, why, heard <= timing::kHeardWithinS);
           break;
         }
-      // A holder that did not answer: its queued FETCHes go with its socket.
+      // A holder that did not answer and has not been heard from lately: its queued FETCHes go
+      // with its socket. One heard from lately keeps it: its answer is on the way.
       for (size_t i = 0; i < w.got.size(); ++i)
-        if (!w.got[i]) dialers_.erase(w.msg.refs[i].from);
+        if (!w.got[i] && heard_ago_s(holder_of(w.msg.refs[i]), now) > timing::kHeardWithinS) dialers_.erase(holder_of(w.msg.refs[i]));
     }
     if (!w.error && w.missing > 0) {
       ++it;
@@ -350,8 +390,25 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
         if (r.fetched[w.msg.refs[i].slot] > 0) holdings_.put(w.msg.refs[i].key, w.msg.refs[i].part, wire::share(got[i]), true, now);
       wire::resolve(w.msg, std::move(got));  // every tensor was checked against its reference on arrival
     }
-    // Fetches still out for a failed request are forgotten; their replies are dropped.
-    for (auto f = fetching_.begin(); f != fetching_.end();) f = f->second.request == it->first ? fetching_.erase(f) : std::next(f);
+    // Fetches still out for a failed request are forgotten (their replies dropped), but for
+    // those to a holder whose socket stays open (heard from lately): their answers are kept.
+    for (auto f = fetching_.begin(); f != fetching_.end();) {
+      if (f->second.request != it->first) {
+        ++f;
+        continue;
+      }
+      if (!w.error || !dialers_.count(f->second.address)) {
+        f = fetching_.erase(f);
+        continue;
+      }
+      f->second.request = 0;
+      late_fetches_[{f->second.key, f->second.part}] = f->first;
+      if (late_fetches_.size() > kMaxEarly) {
+        fetching_.erase(late_fetches_.begin()->second);
+        late_fetches_.erase(late_fetches_.begin());
+      }
+      ++f;
+    }
     if (w.error) {
       failed++;
       r.error = std::move(w.error);

@@ -15,7 +15,11 @@
 // reference says (TensorRef.from_key). Pushes: on the router's PUSH a holder sends a tensor to
 // a hop's receiver before it is asked (an unasked FETCHED on the receiver's listen socket); the
 // receiver waits a while for a reference marked `pushed` (push_wait_s) before it fetches it, and
-// keeps a push that came before its request as a copy (timing::push_wait_s). The I/O thread owns it; torch-free.
+// keeps a push that came before its request as a copy (timing::push_wait_s). A reference whose
+// holder sent this peer a tensor lately (timing::kHeardWithinS) but not this one within the
+// window fails `unreachable` with `reached` (a busy link): its FETCH stays out, and a request
+// for the same tensor that comes again waits for that answer rather than asking a second time.
+// The I/O thread owns it; torch-free.
 // Protocol: docs/protocol.md, "Peer to peer".
 #pragma once
 
@@ -107,19 +111,27 @@ class PeerLink {
     std::optional<wire::Message> error;
   };
   struct Fetching {
-    uint64_t request = 0;   // the waiting request (its key in waiting_)
+    uint64_t request = 0;   // the waiting request (its key in waiting_); 0: its request failed (late_fetches_)
     size_t ref = 0;         // which of its references
     std::string address;
+    uint64_t key = 0;       // the tensor asked for
+    uint32_t part = 0;
   };
   // The socket to `address` (plus " key" under CURVE) in `in`, opened on first use: a fetcher
   // (dialers_, replies read) or a pusher (pushers_, at most kPushQueue queued, never read).
   Dialer& dialer(std::map<std::string, Dialer>& in, const std::string& address, const std::string& key, double now, int sndhwm);
-  void fail(Waiting& w, size_t ref, WireErrc code, const std::string& why);
+  void fail(Waiting& w, size_t ref, WireErrc code, const std::string& why, bool reached = false);
+  // Its dialer's name: the holder's address, and under CURVE its key.
+  std::string holder_of(const wire::TensorRef& r) const { return own_ ? r.from + " " + r.from_key : r.from; }
   // FETCH reference `i` of waiting request `wid` from its holder.
   void fetch(uint64_t wid, Waiting& w, size_t i, double now);
   // An unasked FETCHED on the listen socket: a holder pushing a tensor here.
   void on_push(wire::Message& m, double now);
-  void on_fetch_reply(wire::Received& r, const std::string& address);
+  void on_fetch_reply(wire::Received& r, const std::string& address, double now);
+  // The answer to a FETCH whose request gave up on it (late_fetches_): kept as a copy.
+  void late_answer(const Fetching& fetch, wire::Received& r, double now);
+  // Seconds since `holder` last sent this peer a tensor (a huge number: never).
+  double heard_ago_s(const std::string& holder, double now) const;
 
   zmq::context_t& ctx_;
   std::optional<KeyPair> own_;
@@ -146,6 +158,12 @@ class PeerLink {
   // what it needs, and the router may have released the copy already). Bounded as early_.
   std::set<std::pair<uint64_t, uint32_t>> late_;
   static constexpr size_t kMaxEarly = 4096;
+  // When each holder (holder_of) last sent this peer a tensor, fetched or pushed.
+  std::map<std::string, double> heard_;
+  // FETCHes of a failed request still out to a holder heard from lately (fetching_ ids, by (key,
+  // part)): the answer is kept as a copy, and a request for the same tensor takes the FETCH over.
+  // Bounded as early_.
+  std::map<std::pair<uint64_t, uint32_t>, uint64_t> late_fetches_;
   uint64_t next_fetch_ = 1;
 };
 

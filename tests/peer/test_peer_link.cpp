@@ -249,6 +249,48 @@ TEST(PeerLink, AHolderThatNeverAnswersFailsTheRequestAsUnreachableAfterTheTimeou
   EXPECT_EQ(e.code, int(WireErrc::kUnreachable));
   EXPECT_EQ(e.tensor.value_or(-1), 0);
   EXPECT_NE(e.message.find(nobody), std::string::npos) << e.message;
+  EXPECT_FALSE(e.reached);   // never heard from: nothing says the link works
+}
+
+// A holder that sent this peer tensors a moment ago, and whose answer does not come within the
+// window (a full link), is reported as reached; its answer still comes, and the request the
+// router sends again waits for it instead of asking a second time.
+TEST(PeerLink, AHolderHeardFromLatelyIsABusyLinkAndItsLateAnswerServesTheRequestSentAgain) {
+  Pair p;
+  wire::Tensor a = floats(1000, 1), b = floats(500, 2);
+  const wire::TensorDesc da = a.desc, db = b.desc;
+  p.held.put(10, 0, std::move(a), false, 0);
+  p.held.put(11, 0, std::move(b), false, 0);
+  p.link.resolve(request_with_refs(p.holder.address(), da, db), 1, 0);
+  ASSERT_EQ(pump(p.holder, p.link).size(), 1u);
+  p.mine.release(10);   // the router released the copies: the next request fetches again
+  p.mine.release(11);
+  // The holder is too busy to answer within the 1-s window.
+  p.link.resolve(request_with_refs(p.holder.address(), da, db), 2, 0);
+  std::vector<PeerLink::Resolved> out;
+  const auto t0 = Clock::now();
+  while (out.empty() && std::chrono::duration<double>(Clock::now() - t0).count() < 5) {
+    const double now = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::vector<zmq::pollitem_t> items;
+    p.link.add_poll_items(items);
+    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(5));
+    p.link.ready(items, 0, now);
+    out = p.link.take(now);
+  }
+  ASSERT_EQ(out.size(), 1u);
+  const msg::Error e = error_of(out[0]);
+  EXPECT_EQ(e.code, int(WireErrc::kUnreachable));
+  EXPECT_TRUE(e.reached) << e.message;
+  EXPECT_NE(e.message.find("a busy link"), std::string::npos) << e.message;
+  EXPECT_EQ(p.link.fetches, 4u);
+  // Sent again, here: it takes over the FETCHes still out, and is whole once they are answered.
+  p.link.resolve(request_with_refs(p.holder.address(), da, db), 3, 0);
+  out = pump(p.holder, p.link);
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_FALSE(out[0].error) << msg::read<msg::Error>(*out[0].error).message;
+  EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{4000, 2000}));
+  EXPECT_EQ(p.link.fetches, 4u);   // no third FETCH of either
+  EXPECT_EQ(p.holder.served, 4u);
 }
 
 // The router asks for an answer before its deadline: a request's fetch_within_ms (through the

@@ -1259,6 +1259,26 @@ TEST(CoreP2p, ARelayedHolderIsFetchedFromAgainOnceItsRelayEndsAndRelayedLongerIf
   EXPECT_TRUE(f.logged("peer a0 is relayed for 60 s"));
 }
 
+TEST(CoreP2p, AHolderOnABusyLinkIsNotRelayedAndEachLateTensorGoesAgainDirectlyBeforeTheRouterRelaysIt) {
+  // Receivers that heard from a0 lately cannot get its tensors in their windows: a full link,
+  // not a cut one. Before, two such misses relayed a0 for a while, and every tensor it made
+  // (and its stage's round) went through the router.
+  FakeSwarm f;
+  one_two_one_p2p(f, /*a0_cut=*/false);
+  f.peers.at("p-a0").busy_link = true;
+  const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  const json st = f.status(job);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  EXPECT_FALSE(f.logged("peer a0 is relayed for"));
+  // Each stage-1 hop asked for a0's tensor twice, directly, before the router relayed it: two
+  // fetch failures for each relay.
+  const uint64_t failures = st["hops"]["fetch_failures"], relayed = st["hops"]["relayed_by_router"];
+  EXPECT_GT(relayed, 0u);
+  EXPECT_EQ(failures, 2 * relayed) << st["hops"].dump();
+  EXPECT_EQ(received(f, "p-a0", MsgType::kFetch), relayed);
+}
+
 TEST(CoreP2p, AReferenceAnsweredForAnotherRequestIsRejectedAsALie) {
   FakeSwarm f;
   three_by_two_p2p(f);

@@ -185,7 +185,9 @@ std::optional<wire::Message> FakeSwarm::fetch(FakePeer& p, const wire::Message& 
     for (auto& [id, q] : peers)
       if (!q.listen.empty() && q.listen == ref->from) h = &q;
     sim::FetchFailure why = sim::FetchFailure::kUnreachable;
-    if (h && h->alive && !h->unreachable) {
+    if (h && h->alive && h->busy_link) {
+      why = sim::FetchFailure::kBusyLink;
+    } else if (h && h->alive && !h->unreachable) {
       if (h->book.held.count(ref->key)) {
         fetched[ref->slot] = int64_t(ref->desc.wire_bytes());
         p.fetched_bytes += ref->desc.wire_bytes();

@@ -36,6 +36,7 @@ struct FakePeer {
   // Peer to peer: where others fetch from it ("": relayed), whether they can reach it.
   std::string listen;
   bool unreachable = false;
+  bool busy_link = false;   // reached, but what it holds never arrives within a receiver's window
   uint64_t fetched_bytes = 0;
   std::vector<wire::Message> received;  // everything the router sent it
 };
