@@ -14,7 +14,8 @@
 // stage input by the previous stage's forward, then the hop resumes where it was; an output
 // gradient by the next stage's backward). A holder a receiver cannot reach relays the tensor
 // through the router (FETCH from the router) and, once two receivers could not reach it, is
-// relayed for good: its outputs come inline.
+// relayed for a while (Registry::relay): its outputs come inline. A holder on a busy link (the
+// receiver heard from it lately: FetchMiss::kBusyLink) gets the hop sent again directly first.
 //
 // Routing: among the ready, unbanned peers of the stage with room in their queue
 // (routing.max_queued_s), dispatch.h's least expected completion time (or the fixed pipeline,

@@ -1,6 +1,8 @@
 // peer_link.cpp: implements stages/peer_link.h.
 #include "stages/peer_link.h"
 
+#include <cmath>
+
 #include "runtime/errors.h"
 #include "runtime/log.h"
 #include "runtime/messages.h"
@@ -365,7 +367,7 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
           const wire::TensorRef& r = w.msg.refs[i];
           std::string why = "could not fetch tensor " + std::to_string(r.slot) + " from " + r.from + " within " + shortest_number(w.window_s) + " s";
           const double heard = heard_ago_s(holder_of(r), now);
-          if (heard <= timing::kHeardWithinS) why += " (it sent this peer a tensor " + shortest_number(heard) + " s ago: a busy link)";
+          if (heard <= timing::kHeardWithinS) why += " (it sent this peer a tensor " + shortest_number(std::round(heard * 100) / 100) + " s ago: a busy link)";
           fail(w, i, WireErrc::kUnreachable, why, heard <= timing::kHeardWithinS);
           break;
         }
