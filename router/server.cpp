@@ -2,6 +2,7 @@
 // pages published for the HTTP server.
 #include "router/server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -143,9 +144,13 @@ struct Server::Impl {
       curve_server(sock, own, "swarm");
       // No handover: a routing id in use stays with its connection (stage servers' ids derive
       // from their keys); ZeroMQ's own heartbeats close a connection whose process stopped
-      // answering, so a restarted peer gets its id back within seconds.
+      // answering, so a restarted peer gets its id back within seconds. ZeroMQ counts only whole
+      // messages as signs of life, so a message that takes longer to arrive than its timeout
+      // (a megabyte of outer gradients on a shared 16 Mbit/s link) closed a live peer's
+      // connection, and the router's next send to it declared it dead: the timeout is never
+      // shorter than the silence the router's own liveness rule allows.
       sock.set(zmq::sockopt::heartbeat_ivl, 1000);
-      sock.set(zmq::sockopt::heartbeat_timeout, 4000);
+      sock.set(zmq::sockopt::heartbeat_timeout, std::max(4000, opt.core.heartbeat_ms * opt.core.liveness));
       log_info("router", "CURVE on: " + std::to_string(authorized_count()) + " authorized key(s) from " + opt.authorized_file);
     } else {
       sock.set(zmq::sockopt::router_handover, 1);

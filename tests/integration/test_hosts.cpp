@@ -376,3 +376,43 @@ TEST(Hosts, HubSwarmOnNineHostsTrainsThroughAKillAndACutLink) {
   EXPECT_EQ(st["hops"]["mode"], "hub");
   EXPECT_GT(st["hops"]["bytes_through_router"].get<double>(), 0.9 * moved) << st["hops"].dump();
 }
+
+// A CURVE router counts only whole messages as signs of life on a connection (ZeroMQ's
+// heartbeats), so a message that took longer to arrive than their 4-s timeout closed a live
+// peer's connection mid-message, and the router's next send declared the peer dead. Here each
+// stage's outer gradient (a megabyte, fp32) crosses a 2 Mbit/s link into the router at the
+// round, shared with the other stage's: about 7 s. The router allows 20 s of silence (as the
+// hosts bench does); its connections must allow as much.
+TEST(Hosts, AMessageThatTakesSecondsToArriveDoesNotCostItsSenderTheConnection) {
+  SKIP_WITHOUT_HOSTS();
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  HostsOptions o;
+  o.count = 3;
+  o.rate_mbit = 2;
+  Hosts hosts(o);
+  auto place = [&](size_t i) { return Place{hosts.exec_prefix(i), hosts.address(i)}; };
+  LocalSwarm swarm(dir, kBuild);
+  swarm.start_router({"--data-root", dir, "--heartbeat-ms", "1000", "--liveness", "20"}, place(0));
+  swarm.start_stage(0, "s0", 1, {}, place(1));
+  swarm.start_stage(1, "s1", 1, {}, place(2));
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, 2);
+  const int steps = 4;
+  json job = tiny_job(data, 2, steps, "sync");
+  job["model"]["d_model"] = 128;   // 1 MB of fp32 outer gradients a stage
+  job["model"]["n_head"] = 4;
+  job["routing"] = {{"hops", "hub"}};
+  job["compression"] = {{"activations", "fp32"}, {"gradients", "fp32"}, {"outer", "fp32"}};
+  job["diloco"]["inner_steps"] = steps;   // one round, at the end
+  const uint64_t id = submit(c, job);
+  const json st = follow_to_end(c, id, 120, 250);
+  swarm.stop_all();
+  ASSERT_EQ(st["state"], "done") << st.dump();
+  EXPECT_EQ(st["rounds"], 1);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  const std::string log = slurp(dir + "/router.log");
+  EXPECT_EQ(log.find("is gone: unreachable"), std::string::npos) << log;
+  EXPECT_EQ(log.find("joined asking for stage", log.find("job " + std::to_string(id) + " running")), std::string::npos)
+      << "a peer had to join again: " << log;
+}
