@@ -71,14 +71,19 @@ struct Pair {
   Holdings held{1 << 20, 600, 60}, mine{1 << 20, 600, 60};
   PeerLink holder{ctx, "tcp://127.0.0.1:*", "", held, 1.0};
   PeerLink link{ctx, "", "", mine, 1.0};
+  // The holder keeps tensors 10 (n floats from 1) and 11 (m floats from 2); their descriptions.
+  std::pair<wire::TensorDesc, wire::TensorDesc> hold(size_t n, size_t m) {
+    wire::Tensor a = floats(n, 1), b = floats(m, 2);
+    std::pair<wire::TensorDesc, wire::TensorDesc> out{a.desc, b.desc};
+    held.put(10, 0, std::move(a), false, 0);
+    held.put(11, 0, std::move(b), false, 0);
+    return out;
+  }
 };
 
 TEST(PeerLink, ARequestIsWholeOnceEveryReferenceIsFetchedFromItsHolder) {
   Pair p;
-  wire::Tensor a = floats(1000, 1), b = floats(500, 2);
-  const wire::TensorDesc da = a.desc, db = b.desc;
-  p.held.put(10, 0, std::move(a), false, 0);
-  p.held.put(11, 0, std::move(b), false, 0);
+  const auto [da, db] = p.hold(1000, 500);
   ASSERT_FALSE(p.holder.address().empty());
   p.link.resolve(request_with_refs(p.holder.address(), da, db), 5, 0);
   auto out = pump(p.holder, p.link);
@@ -220,10 +225,7 @@ TEST(PeerLink, APushThatDoesNotComeIsFetchedOnceItIsLate) {
 
 TEST(PeerLink, ATensorItsHolderNoLongerHasFailsTheRequestNamingTheTensor) {
   Pair p;
-  wire::Tensor a = floats(100, 1), b = floats(100, 2);
-  const wire::TensorDesc da = a.desc, db = b.desc;
-  p.held.put(10, 0, std::move(a), false, 0);
-  p.held.put(11, 0, std::move(b), false, 0);
+  const auto [da, db] = p.hold(100, 100);
   p.held.release(11);
   p.link.resolve(request_with_refs(p.holder.address(), da, db), 1, 0);
   auto out = pump(p.holder, p.link);
@@ -257,10 +259,7 @@ TEST(PeerLink, AHolderThatNeverAnswersFailsTheRequestAsUnreachableAfterTheTimeou
 // router sends again waits for it instead of asking a second time.
 TEST(PeerLink, AHolderHeardFromLatelyIsABusyLinkAndItsLateAnswerServesTheRequestSentAgain) {
   Pair p;
-  wire::Tensor a = floats(1000, 1), b = floats(500, 2);
-  const wire::TensorDesc da = a.desc, db = b.desc;
-  p.held.put(10, 0, std::move(a), false, 0);
-  p.held.put(11, 0, std::move(b), false, 0);
+  const auto [da, db] = p.hold(1000, 500);
   p.link.resolve(request_with_refs(p.holder.address(), da, db), 1, 0);
   ASSERT_EQ(pump(p.holder, p.link).size(), 1u);
   p.mine.release(10);   // the router released the copies: the next request fetches again
