@@ -22,8 +22,6 @@
 
 namespace swarm::router {
 
-// A tensor a peer made and keeps (peer to peer): the reply to request `key` carried it as its
-// part `part`.
 // Why a receiver could not fetch a held tensor (ERROR unreachable or not_held, docs/protocol.md).
 enum class FetchMiss {
   kUnreachable,   // no answer in the window, and the holder has sent the receiver nothing lately
@@ -31,6 +29,8 @@ enum class FetchMiss {
   kNotHeld,       // the holder answered that it no longer has it
 };
 
+// A tensor a peer made and keeps (peer to peer): the reply to request `key` carried it as its
+// part `part`.
 struct Held {
   PeerId holder;
   uint64_t key = 0;

@@ -288,8 +288,8 @@ double PeerLink::heard_ago_s(const std::string& holder, double now) const {
   return h == heard_.end() ? 1e300 : now - h->second;
 }
 
-void PeerLink::late_answer(const Fetching& fetch, wire::Received& r, double now) {
-  if (auto l = late_fetches_.find({fetch.key, fetch.part}); l != late_fetches_.end() && fetching_.count(l->second) == 0) late_fetches_.erase(l);
+void PeerLink::late_answer(uint64_t fid, const Fetching& fetch, wire::Received& r, double now) {
+  if (auto l = late_fetches_.find({fetch.key, fetch.part}); l != late_fetches_.end() && l->second == fid) late_fetches_.erase(l);
   heard_[fetch.address] = now;
   try {
     wire::Message m = wire::decode(r.frames);
@@ -312,7 +312,7 @@ void PeerLink::on_fetch_reply(wire::Received& r, const std::string& address, dou
   if (f == fetching_.end() || f->second.address != address) return;  // late: its request timed out
   const Fetching fetch = f->second;
   fetching_.erase(f);
-  if (fetch.request == 0) return late_answer(fetch, r, now);
+  if (fetch.request == 0) return late_answer(*fid, fetch, r, now);
   heard_[address] = now;
   auto wi = waiting_.find(fetch.request);
   if (wi == waiting_.end()) return;

@@ -128,8 +128,8 @@ class PeerLink {
   // An unasked FETCHED on the listen socket: a holder pushing a tensor here.
   void on_push(wire::Message& m, double now);
   void on_fetch_reply(wire::Received& r, const std::string& address, double now);
-  // The answer to a FETCH whose request gave up on it (late_fetches_): kept as a copy.
-  void late_answer(const Fetching& fetch, wire::Received& r, double now);
+  // The answer to FETCH `fid`, whose request gave up on it (late_fetches_): kept as a copy.
+  void late_answer(uint64_t fid, const Fetching& fetch, wire::Received& r, double now);
   // Seconds since `holder` last sent this peer a tensor (a huge number: never).
   double heard_ago_s(const std::string& holder, double now) const;
 
