@@ -254,6 +254,20 @@ TEST(PeerLink, AHolderThatNeverAnswersFailsTheRequestAsUnreachableAfterTheTimeou
   EXPECT_FALSE(e.reached);   // never heard from: nothing says the link works
 }
 
+// Polls `link` alone (its holder answers nothing) until it has resolved something (or 5 s pass).
+std::vector<PeerLink::Resolved> pump_alone(PeerLink& link) {
+  const auto t0 = Clock::now();
+  for (;;) {
+    const double now = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::vector<zmq::pollitem_t> items;
+    link.add_poll_items(items);
+    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(5));
+    link.ready(items, 0, now);
+    auto out = link.take(now);
+    if (!out.empty() || now > 5) return out;
+  }
+}
+
 // A holder that sent this peer tensors a moment ago, and whose answer does not come within the
 // window (a full link), is reported as reached; its answer still comes, and the request the
 // router sends again waits for it instead of asking a second time.
@@ -266,16 +280,7 @@ TEST(PeerLink, AHolderHeardFromLatelyIsABusyLinkAndItsLateAnswerServesTheRequest
   p.mine.release(11);
   // The holder is too busy to answer within the 1-s window.
   p.link.resolve(request_with_refs(p.holder.address(), da, db), 2, 0);
-  std::vector<PeerLink::Resolved> out;
-  const auto t0 = Clock::now();
-  while (out.empty() && std::chrono::duration<double>(Clock::now() - t0).count() < 5) {
-    const double now = std::chrono::duration<double>(Clock::now() - t0).count();
-    std::vector<zmq::pollitem_t> items;
-    p.link.add_poll_items(items);
-    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(5));
-    p.link.ready(items, 0, now);
-    out = p.link.take(now);
-  }
+  std::vector<PeerLink::Resolved> out = pump_alone(p.link);
   ASSERT_EQ(out.size(), 1u);
   const msg::Error e = error_of(out[0]);
   EXPECT_EQ(e.code, int(WireErrc::kUnreachable));
@@ -290,6 +295,28 @@ TEST(PeerLink, AHolderHeardFromLatelyIsABusyLinkAndItsLateAnswerServesTheRequest
   EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{4000, 2000}));
   EXPECT_EQ(p.link.fetches, 4u);   // no third FETCH of either
   EXPECT_EQ(p.holder.served, 4u);
+}
+
+// The late answers come before the request is sent again: they are kept as copies, and the
+// request is whole at once, counting what crossed the link for it.
+TEST(PeerLink, LateAnswersThatComeBeforeTheRequestIsSentAgainAreKeptForIt) {
+  Pair p;
+  const auto [da, db] = p.hold(1000, 500);
+  p.link.resolve(request_with_refs(p.holder.address(), da, db), 1, 0);
+  ASSERT_EQ(pump(p.holder, p.link).size(), 1u);
+  p.mine.release(10);
+  p.mine.release(11);
+  p.link.resolve(request_with_refs(p.holder.address(), da, db), 2, 0);
+  ASSERT_EQ(pump_alone(p.link).size(), 1u);
+  EXPECT_TRUE(pump(p.holder, p.link, 0.5).empty());   // the answers come; no request waits for them
+  EXPECT_EQ(p.holder.served, 4u);
+  EXPECT_EQ(p.mine.size(), 2u);
+  p.link.resolve(request_with_refs(p.holder.address(), da, db), 3, 0);
+  auto out = p.link.take(0);
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_FALSE(out[0].error) << msg::read<msg::Error>(*out[0].error).message;
+  EXPECT_EQ(out[0].fetched, (std::vector<int64_t>{4000, 2000}));
+  EXPECT_EQ(p.link.fetches, 4u);
 }
 
 // The router asks for an answer before its deadline: a request's fetch_within_ms (through the
