@@ -57,6 +57,7 @@ struct Hello {
   std::string listen;                // where other peers fetch tensors from it (tcp://host:port); empty: none (relayed)
   std::string metrics;               // its own /metrics (http://host:port/metrics, swarm-stage --http); empty: none
   std::string name;                  // shown in `swarm peers`; the router keeps 64 bytes of it
+  bool parts = false;                // it takes a large message in PARTs (wire::PartJoiner): the router sends it so
   int64_t pid = 0;
   int32_t prefer_stage = -1;
   std::string precision;             // what it computes in unless a job pins one ("fp32", "bf16", "fp16")
@@ -76,6 +77,7 @@ struct Hello {
     v.field("listen", listen, kOptional, wire::kMaxAddressBytes);
     v.field("metrics", metrics, kOptional, wire::kMaxAddressBytes);
     v.field("name", name, kOptional, size_t(255));
+    v.field("parts", parts, kOptional);
     v.field("pid", pid, kOptional, int64_t(0), wire::kIntMax);
     v.field("precision", precision, kOptional, size_t(16));
     v.field("prefer_stage", prefer_stage, kOptional, -1, kMaxStageIndex);
@@ -91,6 +93,7 @@ struct Welcome {
   static constexpr MsgType kType = MsgType::kWelcome;
   std::optional<int32_t> heartbeat_ms;   // to a stage: the pace of heartbeats
   std::optional<int32_t> liveness;       // to a stage: heartbeats missed before it is dead
+  bool parts = false;                    // the router takes a large message in PARTs: send it so
   std::optional<std::string> peer_id;    // to a stage: its routing id (msgpack bin)
   std::optional<std::string> role;       // to a client: "client"
   std::optional<int64_t> version;        // to a client
@@ -98,6 +101,7 @@ struct Welcome {
   void visit(V& v) {
     v.field("heartbeat_ms", heartbeat_ms, kOptional, 1, 3600 * 1000);
     v.field("liveness", liveness, kOptional, 1, 1000);
+    v.field("parts", parts, kOptional);
     v.bytes("peer_id", peer_id, kOptional, size_t(255));   // msgpack bin: a routing id is any bytes
     v.field("role", role, kOptional, size_t(16));
     v.field("version", version, kOptional, int64_t(0), wire::kIntMax);

@@ -12,9 +12,11 @@
 //     "spec" (SUBMIT, LOAD_STAGE) parses as a job spec or throws InputError (what the router
 //     and a stage do with it, without reading the data files);
 //   - the message encodes again (what a router forwarding it does) into frames that decode to
-//     the same message.
+//     the same message, and come back the same through PARTs (wire::split_parts, PartJoiner).
+// A PART in the input goes through a PartJoiner first, as a receiver takes it.
 // Run with -rss_limit_mb=2048 -malloc_limit_mb=1100 (docs/fuzzing.md).
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "compression/codec.h"
@@ -118,6 +120,19 @@ void check_round_trip(wire::Message& m, bool verify) {
   // The encoder writes the tensor descriptions in its own (minimal) form: a body near its limit
   // whose descriptions were written differently may not fit again. Not a decode bug.
   if (frames[1].size() > wire::max_body_bytes(type)) return;
+  // In PARTs (small ones, so that most messages take several) the same frames come back.
+  {
+    std::vector<zmq::message_t> copy;
+    for (const zmq::message_t& f : frames) copy.emplace_back(f.data(), f.size());
+    wire::PartJoiner parts;
+    std::optional<std::vector<zmq::message_t>> whole;
+    for (auto& part : wire::split_parts(std::move(copy), 512)) {
+      FUZZ_CHECK(!whole, "a message was whole before its last part");
+      whole = parts.take("fuzz", std::move(part), 0);   // must not throw
+    }
+    FUZZ_CHECK(whole && whole->size() == frames.size(), "the parts did not make the message whole");
+    for (size_t i = 0; i < frames.size(); ++i) FUZZ_CHECK(same_bytes((*whole)[i], frames[i]), "a frame changed in parts");
+  }
   wire::Message again = wire::decode(frames, verify);   // must not throw
   FUZZ_CHECK(again.type == type && again.id == id && again.attempt == attempt, "envelope changed");
   FUZZ_CHECK(again.body == body, "body changed");
@@ -139,7 +154,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fuzz::FuzzFrames in = fuzz::split_frames(data, size, limits::kMaxFrames + 1);
   wire::Message m;
   try {
-    m = wire::decode(in.frames, in.verify_checksums);
+    // What a router or a stage server does first: a PART is kept until its message is whole (one
+    // part can carry a whole message); anything else passes through untouched.
+    wire::PartJoiner parts;
+    std::optional<std::vector<zmq::message_t>> whole = parts.take("fuzz", std::move(in.frames), 0);
+    if (!whole) return 0;
+    m = wire::decode(*whole, in.verify_checksums);
   } catch (const WireError&) {
     return 0;
   }

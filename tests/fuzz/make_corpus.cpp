@@ -154,6 +154,27 @@ void wire_seeds() {
                                           f32("fp32:entropy=zstd", {512}), f32("fp32:entropy=zstd", {512}, 0.0f)));
   wire_seed("seed-state-load", with(wire::json_message(MsgType::kStateLoad, 24, 0, json{{"job_id", 1}, {"adam_step", 40}}),
                                     f32("fp32", {256}), f32("fp32", {256}, 1e-2f)));
+  // PARTs (docs/protocol.md#parts): a STATE_LOAD whole in one part 0, and the first part of one
+  // cut into parts of 256 bytes (its header declares the frames; the rest never comes).
+  {
+    Message load = with(wire::json_message(MsgType::kStateLoad, 24, 0, json{{"job_id", 1}, {"adam_step", 40}}),
+                        f32("fp32", {64}), f32("fp32", {64}, 1e-2f));
+    std::vector<zmq::message_t> frames = wire::encode(load);
+    json sizes = json::array();
+    for (const auto& f : frames) sizes.push_back(f.size());
+    auto packed = [](const json& j) {
+      const std::vector<uint8_t> b = json::to_msgpack(j);
+      return zmq::message_t(b.data(), b.size());
+    };
+    std::vector<zmq::message_t> part;
+    part.push_back(packed(json::array({wire::kMagic, wire::kVersion, int(MsgType::kPart), 0, 0})));
+    part.push_back(packed(json{{"frames", sizes}}));
+    for (auto& f : frames) part.push_back(std::move(f));
+    write_file(g_out / "fuzz_wire_decode" / "seed-part-whole", fuzz::join_frames(part));
+    Message again = with(wire::json_message(MsgType::kStateLoad, 24, 0, json{{"job_id", 1}, {"adam_step", 40}}),
+                         f32("fp32", {64}), f32("fp32", {64}, 1e-2f));
+    write_file(g_out / "fuzz_wire_decode" / "seed-part-first", fuzz::join_frames(wire::split_parts(wire::encode(again), 256).front()));
+  }
 
   // Client -> router and the replies.
   wire_seed("seed-submit", wire::json_message(MsgType::kSubmit, 2, 0, json{{"spec", spec}}));

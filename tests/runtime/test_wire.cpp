@@ -723,3 +723,190 @@ TEST(Wire, RoutingIdsAreBinary) {
   EXPECT_TRUE(ch.peer_is_id);
   EXPECT_EQ(ch.peer, std::string("\x00\x01", 2));
 }
+
+// ---- parts ------------------------------------------------------------------------------------
+
+namespace {
+
+// A message with tensors of these many floats each (its frames: envelope, body, tensors).
+std::vector<zmq::message_t> message_with(const std::vector<size_t>& floats, MsgType type = MsgType::kStateReply) {
+  Message m(type, 7, 1);
+  for (size_t i = 0; i < floats.size(); ++i) {
+    std::vector<float> v(floats[i]);
+    for (size_t k = 0; k < v.size(); ++k) v[k] = float(i * 1000003 + k);
+    m.tensors.push_back(f32_tensor(std::move(v), {int64_t(floats[i])}));
+  }
+  return encode(m);
+}
+
+std::vector<std::string> bytes_of(const std::vector<zmq::message_t>& frames) {
+  std::vector<std::string> out;
+  for (const auto& f : frames) out.emplace_back(static_cast<const char*>(f.data()), f.size());
+  return out;
+}
+
+// Feeds every part through a joiner; the message they made whole (none: the test fails).
+std::vector<zmq::message_t> join_all(PartJoiner& j, std::vector<std::vector<zmq::message_t>> parts, const std::string& from = "a") {
+  std::optional<std::vector<zmq::message_t>> whole;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    EXPECT_FALSE(whole) << "whole before its last part";
+    whole = j.take(from, std::move(parts[i]), double(i));
+  }
+  EXPECT_TRUE(whole);
+  return whole ? std::move(*whole) : std::vector<zmq::message_t>{};
+}
+
+}  // namespace
+
+TEST(Parts, ALargeMessageGoesInPartsOfAtMostTheLimitAndComesBackTheSameBytes) {
+  // 100,000 + 3 + 16,384 floats: one tensor over many parts, one small, one on a part's edge.
+  const std::vector<size_t> floats{100000, 3, 16384};
+  const std::vector<std::string> want = bytes_of(message_with(floats));
+  auto parts = split_parts(message_with(floats));
+  uint64_t total = 0;
+  for (const auto& w : want) total += w.size();
+  ASSERT_EQ(parts.size(), (total + limits::kMaxPartBytes - 1) / limits::kMaxPartBytes);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Envelope env = peek_envelope(parts[i]);
+    EXPECT_EQ(env.type, MsgType::kPart);
+    EXPECT_EQ(env.id, i);
+    size_t bytes = 0;
+    for (size_t k = 2; k < parts[i].size(); ++k) bytes += parts[i][k].size();
+    EXPECT_LE(bytes, limits::kMaxPartBytes);
+    EXPECT_GT(bytes, 0u);
+  }
+  PartJoiner j;
+  std::vector<zmq::message_t> whole = join_all(j, std::move(parts));
+  EXPECT_EQ(bytes_of(whole), want);
+  EXPECT_EQ(j.unfinished(), 0u);
+  const Message m = decode(whole);
+  EXPECT_EQ(m.type, MsgType::kStateReply);
+  EXPECT_EQ(m.id, 7u);
+  ASSERT_EQ(m.tensors.size(), 3u);
+  EXPECT_EQ(m.tensors[2].data.size(), 16384u * 4);
+}
+
+TEST(Parts, ASmallMessageGoesWholeAndAJoinerPassesWholeMessagesThrough) {
+  auto parts = split_parts(message_with({100}));
+  ASSERT_EQ(parts.size(), 1u);
+  EXPECT_EQ(peek_envelope(parts[0]).type, MsgType::kStateReply);
+  PartJoiner j;
+  auto whole = j.take("a", std::move(parts[0]), 0);
+  ASSERT_TRUE(whole);
+  EXPECT_EQ(decode(*whole).tensors.size(), 1u);
+  // Frames that are not even an envelope come back for decode to report.
+  std::vector<zmq::message_t> junk;
+  junk.emplace_back("junk", 4);
+  auto back = j.take("a", std::move(junk), 0);
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->size(), 1u);
+}
+
+TEST(Parts, PartsOfAnySizeUpToTheLimitAreTakenAndSendersAreKeptApart) {
+  const std::vector<std::string> want_a = bytes_of(message_with({300})), want_b = bytes_of(message_with({500, 7}));
+  auto a = split_parts(message_with({300}), 256);
+  auto b = split_parts(message_with({500, 7}), 100);
+  ASSERT_GT(a.size(), 4u);
+  ASSERT_GT(b.size(), 20u);
+  // Interleaved, as two senders' parts reach one ROUTER socket.
+  PartJoiner j;
+  std::optional<std::vector<zmq::message_t>> wa, wb;
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    if (i < a.size()) wa = j.take("a", std::move(a[i]), 0);
+    if (i < b.size()) wb = j.take("b", std::move(b[i]), 0);
+    if (i + 1 < a.size()) EXPECT_FALSE(wa);
+    if (i + 1 < b.size()) EXPECT_FALSE(wb);
+    EXPECT_LE(j.unfinished(), 2u);
+  }
+  ASSERT_TRUE(wa && wb);
+  EXPECT_EQ(bytes_of(*wa), want_a);
+  EXPECT_EQ(bytes_of(*wb), want_b);
+}
+
+TEST(Parts, APartOutOfSequenceIsRefusedAndDropsTheUnfinishedMessage) {
+  auto parts = split_parts(message_with({3000}), 1000);
+  ASSERT_GE(parts.size(), 5u);
+  PartJoiner j;
+  EXPECT_FALSE(j.take("a", std::move(parts[0]), 0));
+  EXPECT_FALSE(j.take("a", std::move(parts[1]), 0));
+  try {
+    j.take("a", std::move(parts[3]), 0);
+    FAIL() << "part 3 after part 1 was taken";
+  } catch (const WireError& e) {
+    EXPECT_EQ(e.code(), WireErrc::kOutOfOrder);
+    EXPECT_NE(std::string(e.what()).find("part 2 was due"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(j.unfinished(), 0u);
+  // What comes after it, with no part 0 before, is refused too.
+  EXPECT_THROW(j.take("a", std::move(parts[4]), 0), WireError);
+  // A part 0 starts over (a sender whose connection was made anew), whatever was unfinished.
+  auto again = split_parts(message_with({3000}), 1000);
+  EXPECT_FALSE(j.take("a", std::move(again[0]), 0));
+  auto fresh = split_parts(message_with({3000}), 1000);
+  EXPECT_EQ(bytes_of(join_all(j, std::move(fresh))), bytes_of(message_with({3000})));
+}
+
+TEST(Parts, PartsThatBreakTheLimitsOrWhatPartZeroDeclaredAreRefused) {
+  auto part0 = [](const json& header, std::vector<std::string> pieces) {
+    std::vector<zmq::message_t> f;
+    f.push_back(packed(json::array({"SWRM", kVersion, int(MsgType::kPart), 0, 0})));
+    f.push_back(packed(header));
+    for (auto& p : pieces) f.emplace_back(p.data(), p.size());
+    return f;
+  };
+  auto code = [](PartJoiner& j, std::vector<zmq::message_t> f) {
+    try {
+      j.take("a", std::move(f), 0);
+    } catch (const WireError& e) {
+      EXPECT_EQ(j.unfinished(), 0u);
+      return e.code();
+    }
+    return WireErrc(0);
+  };
+  PartJoiner j;
+  // More than the message limit declared: refused before anything is allocated.
+  EXPECT_EQ(code(j, part0({{"frames", {20, uint64_t(limits::kMaxMessageBytes)}}}, {"x"})), WireErrc::kTooLarge);
+  EXPECT_EQ(code(j, part0({{"frames", {20}}}, {"x"})), WireErrc::kMalformed);          // fewer than 2 frames
+  EXPECT_EQ(code(j, part0({{"frames", {20, -1}}}, {"x"})), WireErrc::kMalformed);      // not a size
+  EXPECT_EQ(code(j, part0({{"parts", 3}}, {"x"})), WireErrc::kMalformed);              // no frames
+  EXPECT_EQ(code(j, part0({{"frames", {2, 3}}}, {"abc"})), WireErrc::kMalformed);      // a piece across two frames
+  EXPECT_EQ(code(j, part0({{"frames", {2, 3}}}, {"ab", "cdef"})), WireErrc::kMalformed);   // past the last frame
+  EXPECT_EQ(code(j, part0({{"frames", {2, 3}}}, {"ab", ""})), WireErrc::kMalformed);   // an empty piece
+  EXPECT_EQ(code(j, part0({{"frames", {2, 3}}}, {})), WireErrc::kMalformed);           // no piece at all
+  EXPECT_EQ(code(j, part0({{"frames", {40000, 40000}}}, {std::string(40000, 'a'), std::string(30000, 'b')})), WireErrc::kTooLarge);
+  EXPECT_EQ(code(j, part0({{"frames", {2, 3}}, {"pad", std::string(limits::kMaxPartHeaderBytes, 'p')}}, {"ab"})), WireErrc::kTooLarge);
+  // Sound parts still join after all that (the garbage frames here are not an envelope: decode says so).
+  auto whole = j.take("a", part0({{"frames", {2, 3}}}, {"ab", "cde"}), 0);
+  ASSERT_TRUE(whole);
+  EXPECT_EQ(bytes_of(*whole), (std::vector<std::string>{"ab", "cde"}));
+}
+
+TEST(Parts, AnUnfinishedMessageIsForgottenOnceItsSenderFallsSilent) {
+  auto parts = split_parts(message_with({3000}), 1000);
+  PartJoiner j;
+  EXPECT_FALSE(j.take("a", std::move(parts[0]), 10.0));
+  EXPECT_FALSE(j.take("a", std::move(parts[1]), 11.0));
+  j.expire(12.0, 2.0);
+  EXPECT_EQ(j.unfinished(), 1u);
+  j.expire(13.5, 2.0);
+  EXPECT_EQ(j.unfinished(), 0u);
+  EXPECT_THROW(j.take("a", std::move(parts[2]), 14.0), WireError);
+}
+
+// The pieces share the frames' buffers: nothing is copied on the way out, and the buffers live
+// until the last part that holds a piece of them is gone.
+TEST(Parts, PiecesShareTheFramesBuffersUntilTheLastPartIsGone) {
+  std::vector<zmq::message_t> frames = message_with({50000});
+  const char* tensor = static_cast<const char*>(frames[2].data());
+  const std::string want(tensor, frames[2].size());
+  auto parts = split_parts(std::move(frames), 4096);
+  // Parts 1.. hold pieces of the tensor at consecutive addresses of its buffer.
+  const char* at = static_cast<const char*>(parts[1][2].data());
+  EXPECT_GE(at, tensor);
+  EXPECT_LT(at, tensor + want.size());
+  EXPECT_EQ(static_cast<const char*>(parts[2][2].data()), at + parts[1][2].size());
+  parts.erase(parts.begin(), parts.end() - 1);
+  // The last part alone keeps the buffer alive: its piece still reads the tensor's last bytes.
+  const zmq::message_t& last = parts.back().back();
+  EXPECT_EQ(std::string(static_cast<const char*>(last.data()), last.size()), want.substr(want.size() - last.size()));
+}
