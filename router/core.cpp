@@ -142,10 +142,11 @@ void RouterCore::Impl::on_hello(Ctx& c, const PeerId& from, const wire::Message&
       return bad(c, from, &m, WireErrc::kForbidden, as + " may only serve as a stage server; a client needs the role client or admin");
     if (!clients.count(from) && clients.size() >= limits::kMaxClients)
       return reply_error(c, from, &m, WireErrc::kTooLarge, "the router has " + std::to_string(clients.size()) + " client sessions, its limit; try again later");
-    clients[from] = Session{c.now, who};
+    clients[from] = Session{c.now, who, h.parts};
     msg::Welcome w;
     w.role = "client";
     w.version = wire::kVersion;
+    w.parts = true;
     return c.send(from, msg::make(w, m.id));
   }
   if (who.authenticated) {
@@ -175,6 +176,7 @@ void RouterCore::Impl::on_hello(Ctx& c, const PeerId& from, const wire::Message&
   w.peer_id = from;
   w.heartbeat_ms = opt.heartbeat_ms;
   w.liveness = opt.liveness;
+  w.parts = true;
   c.send(from, msg::make(w, m.id));
   c.event(EventKind::kPeer, LogLevel::kInfo,
           "peer " + p.hello.name + " (" + wire::printable_id(from) + ") joined" + (h.stage >= 0 ? " asking for stage " + std::to_string(h.stage) : "") +
@@ -372,6 +374,8 @@ Actions RouterCore::on_message(const PeerId& from, wire::Message m, double now, 
   }
   if (p) I.peers.touch(*p, now);
   if (cl != I.clients.end()) cl->second.last_s = now;
+  // A piece of a larger message on its way (wire::PartJoiner): a sign of life, and nothing more.
+  if (m.type == MsgType::kPart && (p || cl != I.clients.end())) return out;
   try {
     if (m.type == MsgType::kHello) {
       I.on_hello(c, from, m, who);
@@ -553,6 +557,12 @@ Actions RouterCore::shutdown(double now) {
 
 bool RouterCore::accepts(const PeerId& from, wire::MsgType type) const {
   return type == MsgType::kHello || impl_->peers.find(from) || impl_->clients.count(from);
+}
+
+bool RouterCore::takes_parts(const PeerId& to) const {
+  if (const Peer* p = impl_->peers.find(to)) return p->hello.parts;
+  auto it = impl_->clients.find(to);
+  return it != impl_->clients.end() && it->second.parts;
 }
 
 const Registry& RouterCore::registry() const { return impl_->peers; }

@@ -128,6 +128,9 @@ class RouterCore {
   // Whether `from` may send a message of this type: anything from a registered stage server or
   // client, only HELLO from anyone else. The server asks before it decodes a body or a tensor.
   bool accepts(const PeerId& from, wire::MsgType type) const;
+  // Whether `to` said in its HELLO that it takes a large message in PARTs (wire::split_parts):
+  // the server sends it so, and anyone else whole.
+  bool takes_parts(const PeerId& to) const;
   // `swarm status --json` and `swarm peers --json` as the core sees them now.
   nlohmann::json status_json(std::optional<uint64_t> job, double now) const;
   nlohmann::json peers_json(size_t offset, size_t limit, double now) const;

@@ -25,6 +25,7 @@ struct RouterCore::Impl {
   struct Session {
     double last_s = 0;                     // last heard [s]
     Identity who;                          // as authenticated when it said HELLO
+    bool parts = false;                    // it takes a large reply in PARTs (HELLO.parts)
   };
   std::map<PeerId, Session> clients;       // client sessions
   std::map<uint64_t, std::string> owners;  // job id -> the key that submitted it ("" without keys)

@@ -96,6 +96,8 @@ struct Server::Impl {
   std::unique_ptr<ZapHandler> zap;
   zmq::socket_t sock{ctx, zmq::socket_type::router};
   std::string endpoint;
+  wire::PartJoiner parts;   // messages that come in PARTs, by sender
+  double parts_expired_s = 0;
   RouterCore core;
   const Clock::time_point t0 = Clock::now();
 
@@ -340,7 +342,9 @@ struct Server::Impl {
     for (Action& a : actions) {
       if (auto* s = std::get_if<Send>(&a)) {
         counters.messages_out++;
-        if (!wire::send(sock, s->msg, &s->to)) unreachable.insert(s->to);
+        std::vector<zmq::message_t> frames = wire::encode(s->msg);
+        const bool parted = wire::frame_bytes(frames) > limits::kMaxPartBytes && core.takes_parts(s->to);
+        if (!(parted ? wire::send_parted(sock, std::move(frames), &s->to) : wire::send_frames(sock, frames, &s->to))) unreachable.insert(s->to);
       } else if (auto* lg = std::get_if<Log>(&a)) {
         log_line(lg->level, "router", lg->text, LogFields{lg->job ? lg->job : core.active_job(), lg->peer});
       } else {
@@ -400,6 +404,18 @@ struct Server::Impl {
     } catch (const WireError& e) {
       return execute(decide([&] { return core.on_undecodable(r.route, e, std::nullopt, now()); }));
     }
+    // A PART from a peer or a client: a sign of life until the message it belongs to is whole.
+    if (env.type == wire::MsgType::kPart && core.accepts(r.route, env.type)) {
+      std::optional<std::vector<zmq::message_t>> whole;
+      try {
+        whole = parts.take(r.route, std::move(r.frames), now());
+        if (whole) env = wire::peek_envelope(*whole);
+      } catch (const WireError& e) {
+        return execute(decide([&] { return core.on_undecodable(r.route, e, std::nullopt, now()); }));
+      }
+      if (!whole) return execute(decide([&] { return core.on_message(r.route, wire::Message(wire::MsgType::kPart), now(), *who); }));
+      r.frames = std::move(*whole);
+    }
     // Nothing but HELLO from a stranger: its body and tensors are not even parsed.
     if (!core.accepts(r.route, env.type)) return execute(decide([&] { return core.on_message(r.route, wire::Message(env.type, env.id, env.attempt), now(), *who); }));
     wire::Message m;
@@ -442,6 +458,11 @@ struct Server::Impl {
         }
       }
       drain_disk();
+      if (now() - parts_expired_s >= 1.0) {
+        // A message left unfinished longer than the liveness window: its sender is gone, or came back on a new connection.
+        parts_expired_s = now();
+        parts.expire(parts_expired_s, 2.0 * opt.core.heartbeat_ms * opt.core.liveness / 1000.0);
+      }
       if (zap && now() - auth_checked_s >= 1.0) {
         auth_checked_s = now();
         reload_authorized();

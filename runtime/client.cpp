@@ -34,7 +34,8 @@ Client::Client(const std::string& router, int timeout_ms) : router_(router), soc
   msg::Hello hello;
   hello.role = msg::Role::kClient;
   hello.version = wire::kVersion;
-  request(msg::make(hello, next_id_++), timeout_ms);
+  hello.parts = true;
+  router_parts_ = msg::read<msg::Welcome>(request(msg::make(hello, next_id_++), timeout_ms)).parts;
 }
 
 Client::~Client() {
@@ -48,7 +49,8 @@ Client::~Client() {
 Message Client::request(Message req, int timeout_ms) {
   if (req.id == 0) req.id = next_id_++;
   const uint64_t id = req.id;
-  wire::send(sock_, req);
+  if (router_parts_) wire::send_parted(sock_, req);
+  else wire::send(sock_, req);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
@@ -58,7 +60,9 @@ Message Client::request(Message req, int timeout_ms) {
     if (!(items[0].revents & ZMQ_POLLIN)) continue;
     auto r = wire::recv_frames(sock_, false, zmq::recv_flags::dontwait);
     if (!r) continue;
-    Message m = wire::decode(r->frames);
+    std::optional<std::vector<zmq::message_t>> whole = parts_.take("", std::move(r->frames), 0);
+    if (!whole) continue;   // a PART of a large reply; the rest is on its way
+    Message m = wire::decode(*whole);
     if (m.type == MsgType::kHeartbeat) continue;
     // An ERROR with id 0 answers a message the router could not even parse: ours.
     if (m.id != id && !(m.type == MsgType::kError && m.id == 0)) continue;

@@ -46,6 +46,8 @@ class Client {
   std::string router_;
   zmq::context_t ctx_{1};
   zmq::socket_t sock_;
+  wire::PartJoiner parts_;   // a large reply, as its PARTs come
+  bool router_parts_ = false;   // the router takes PARTs (WELCOME.parts)
   uint64_t next_id_ = 1;
   bool keyed_ = false;   // CURVE on (SWARM_KEY)
 };

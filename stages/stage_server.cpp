@@ -196,10 +196,12 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   };
   std::unique_ptr<zmq::socket_t> sock = make_socket();
   double last_sent_s = 0;   // anything to the router: a sign of life there (timing::next_heartbeat_s)
+  wire::PartJoiner parts;     // a large message from the router, as its PARTs come
+  bool router_parts = false;  // the router takes PARTs (WELCOME.parts)
   auto send_frames = [&](Frames& frames) {
-    for (size_t i = 0; i < frames.size(); ++i)   // only the first part can fail; then none goes
-      if (!sock->send(frames[i], i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none)) return;
-    if (!frames.empty()) last_sent_s = now_s();
+    // A large message goes in PARTs: the router hears from this server while it crosses the link.
+    if (frames.empty()) return;
+    if (router_parts ? wire::send_parted(*sock, std::move(frames)) : wire::send_frames(*sock, frames)) last_sent_s = now_s();
   };
   // Replies and error answers: the injected faults decide what actually leaves.
   auto answer = [&](Message& m) {
@@ -225,6 +227,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     h.threads = opt.threads;
     h.pid = int64_t(getpid());
     h.echo = opt.echo;
+    h.parts = true;
     h.listen = link->address();
     h.metrics = metrics_url;
     Message m = msg::make(h);
@@ -344,6 +347,8 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     // The router is gone or cut off: reconnect with doubling backoff and say HELLO again.
     log_warn("stage", why + "; reconnecting");
     inbox.clear();
+    parts.forget("");
+    router_parts = false;   // until the new session's WELCOME says
     sock = make_socket();
     hello(*sock);
     welcomed = false;
@@ -384,6 +389,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
           heartbeat_ms = std::max(10, w.heartbeat_ms.value_or(heartbeat_ms));
           liveness = std::max(1, w.liveness.value_or(opt.liveness));
           silent_s = liveness * heartbeat_ms / 1000.0;
+          router_parts = w.parts;
           welcomed = true;
           holdings.clear();  // a new session: the router knows nothing of what we held
           backoff_s = 0.5;
@@ -496,7 +502,23 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       while (!faults.frozen()) {
         auto r = wire::recv_frames(*sock, false, zmq::recv_flags::dontwait);
         if (!r) break;
-        if (faults.incoming(std::move(r->frames), deliveries)) last_heard = Clock::now();
+        if (faults.partitioned()) {   // cut off: nothing arrives, a message half-way across included
+          parts.forget("");
+          continue;
+        }
+        std::optional<Frames> whole;
+        try {
+          whole = parts.take("", std::move(r->frames), now_s());
+        } catch (const WireError& e) {
+          stats.errors++;
+          log_error("stage", std::string("dropped a message from the router that came in parts: ") + e.what());
+          continue;
+        }
+        if (!whole) {   // a PART: the router is there, the rest of its message on the way
+          last_heard = Clock::now();
+          continue;
+        }
+        if (faults.incoming(std::move(*whole), deliveries)) last_heard = Clock::now();
         for (auto& d : deliveries) handle_incoming(d);
         deliveries.clear();
       }

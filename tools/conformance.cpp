@@ -118,12 +118,15 @@ class Kit {
     std::optional<msg::Heartbeat> last_heartbeat;
     std::string heartbeat_error;         // the first heartbeat that did not check
     std::vector<std::string> undecodable;
+    bool parts = false;                  // it takes PARTs (HELLO.parts): the kit sends a large message to it so
   };
   double now_s() const { return std::chrono::duration<double>(Clock::now() - start_).count(); }
 
   void send(const std::string& route, Message m) {
     try {
-      wire::send(sock_, m, &route);
+      const Peer* p = route == ref_.route ? &ref_ : route == test_.route ? &test_ : nullptr;
+      if (p && p->parts) wire::send_parted(sock_, m, &route, part_bytes_);
+      else wire::send(sock_, m, &route);
     } catch (const zmq::error_t&) {
       // The peer is gone (ROUTER_MANDATORY): its checks fail on their timeouts.
     }
@@ -153,7 +156,9 @@ class Kit {
       Message m;
       if (p) p->heard_at.push_back(now_s());
       try {
-        m = wire::decode(r->frames);
+        std::optional<std::vector<zmq::message_t>> whole = parts_.take(r->route, std::move(r->frames), now_s());
+        if (!whole) continue;   // a PART: the rest of its message is on the way
+        m = wire::decode(*whole);
       } catch (const WireError& e) {
         if (p) p->undecodable.push_back(e.what());
         continue;
@@ -328,6 +333,8 @@ class Kit {
   Peer ref_, test_;
   std::vector<std::pair<std::string, Message>> strangers_;
   uint64_t next_id_ = 1;
+  wire::PartJoiner parts_;                        // replies that come in PARTs
+  size_t part_bytes_ = limits::kMaxPartBytes;     // what the kit sends: in PARTs of at most this many bytes
   double last_beat_s_ = 0, max_latency_s_ = 0;
   Clock::time_point start_ = Clock::now();
   std::vector<ConformanceCheck> checks_;
@@ -363,11 +370,13 @@ void Kit::connect_peers() {
     if (auto r = take_hello(strangers_, hello, why)) ref_.route = *r;
     if (!alive(ref_proc_)) break;
   }
+  ref_.parts = hello && hello->parts;
   if (ref_.route.empty()) throw InputError("the reference peer did not say HELLO (" + ref_cmd + "; see " + log_dir_ + "/reference.log)");
   msg::Welcome w;
   w.peer_id = ref_.route;
   w.heartbeat_ms = kHeartbeatMs;
   w.liveness = kLiveness;
+  w.parts = true;
   send(ref_.route, msg::make(w, 0));
 
   test_proc_ = spawn(opt_.peer_command, "peer");
@@ -390,6 +399,8 @@ void Kit::connect_peers() {
   tw.peer_id = test_.route;
   tw.heartbeat_ms = kHeartbeatMs;
   tw.liveness = kLiveness;
+  tw.parts = true;
+  test_.parts = hello && hello->parts;
   send(test_.route, msg::make(tw, 0));
   const size_t before = test_.heartbeat_at.size();
   const double welcomed = now_s();
@@ -704,6 +715,15 @@ void Kit::fault_checks() {
     expect_error("missing_tensor", test_only(std::move(m), why), WireErrc::kMalformed, id, std::nullopt, why);
   }
   eval_check("alive_after_faults", 13);
+  // A request in PARTs (docs/protocol.md#parts), as the router sends any message over 64 KiB to
+  // a peer that takes them: here in pieces of 256 bytes, so that a small EVAL comes in several.
+  if (test_.parts && ref_.parts) {
+    part_bytes_ = 256;
+    eval_check("parts", 14);
+    part_bytes_ = limits::kMaxPartBytes;
+  } else {
+    check("parts", true, "not offered (HELLO.parts false): a router sends this peer every message whole");
+  }
   check("answers_within_deadline", max_latency_s_ < spec_.timeouts.forward_s,
         "slowest answer " + fmt(max_latency_s_) + " s (a hop's deadline is at most " + fmt(spec_.timeouts.forward_s) + " s)");
   // Signs of life all along (heartbeats, or any message: a busy peer may skip its heartbeats):

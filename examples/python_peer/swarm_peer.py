@@ -3,7 +3,8 @@
 
 It joins a swarm next to the C++ `swarm-stage` peers: HELLO, heartbeats, LOAD_STAGE, FORWARD,
 FORWARD_LOSS, BACKWARD, EVAL, STEP, the within-stage round (ROUND_BEGIN/REDUCE/APPLY), the
-state transfer (STATE_REQUEST/STATE_LOAD), typed ERRORs for bad input, BYE. It computes in
+state transfer (STATE_REQUEST/STATE_LOAD), typed ERRORs for bad input, BYE, and a large message
+in PARTs both ways (it says so in HELLO; the router in WELCOME). It computes in
 fp32 on the CPU with PyTorch (model.py), speaks only the fp32 codec (jobs with other codecs
 are refused at LOAD_STAGE with a clear error), takes no peer-to-peer connections (the router
 relays what it makes) and fetches referenced tensors from their holders itself.
@@ -27,11 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as M  # noqa: E402
 
 VERSION, REFUSAL_VERSION = 2, 1
+PART = 6
+PART_BYTES, MAX_FRAMES, MAX_MESSAGE_BYTES = 64 << 10, 4096, 2 << 30
 (HELLO, WELCOME, HEARTBEAT, BYE, ERROR, LOAD_STAGE, STAGE_READY, FORWARD, FORWARD_LOSS, BACKWARD, EVAL, RESULT, STEP,
  ROUND_BEGIN, ROUND_DELTA, ROUND_APPLY, ROUND_DONE, STATE_REQUEST, STATE_REPLY, STATE_LOAD, ROUND_REDUCE, ROUND_REDUCED,
  FETCH, FETCHED, RELEASE, CHAOS) = (1, 2, 3, 4, 5, 10, 11, 20, 21, 22, 23, 24, 25, 30, 31, 32, 33, 34, 35, 36, 37, 38,
                                     40, 41, 42, 57)
-KNOWN = {1, 2, 3, 4, 5, 10, 11, 20, 21, 22, 23, 24, 25, 30, 31, 32, 33, 34, 35, 36, 37, 38, 40, 41, 42, 50, 51, 52, 53, 54,
+KNOWN = {1, 2, 3, 4, 5, 6, 10, 11, 20, 21, 22, 23, 24, 25, 30, 31, 32, 33, 34, 35, 36, 37, 38, 40, 41, 42, 50, 51, 52, 53, 54,
          55, 56, 57, 58}
 MAX_TENSORS = {FORWARD: 1, FORWARD_LOSS: 2, BACKWARD: 2, EVAL: 2, RESULT: 1, ROUND_DELTA: 256, ROUND_APPLY: 256,
                STATE_REPLY: 5, STATE_LOAD: 5, ROUND_REDUCE: 4094, ROUND_REDUCED: 1, FETCHED: 1}
@@ -59,6 +62,100 @@ def encode(mtype, mid, body=None, tensors=(), attempt=0, version=VERSION):
                             "xxh64": xxhash.xxh3_64_intdigest(p)} for d, s, p in tensors]
     return [msgpack.packb(["SWRM", version, mtype, mid, attempt]), msgpack.packb(body, use_bin_type=True)] + \
         [p for _, _, p in tensors]
+
+
+def split_parts(frames, part_bytes=PART_BYTES):
+    """The messages that carry `frames` to the router: themselves, or PARTs when they hold more
+    than part_bytes (docs/protocol.md#parts)."""
+    if sum(len(f) for f in frames) <= part_bytes:
+        return [frames]
+    parts, cur, room = [], None, 0
+
+    def start():
+        nonlocal cur, room
+        if cur is not None:
+            parts.append(cur)
+        header = {"frames": [len(f) for f in frames]} if not parts and cur is None else {}
+        cur = [msgpack.packb(["SWRM", VERSION, PART, len(parts), 0]), msgpack.packb(header)]
+        room = part_bytes
+
+    start()
+    for f in frames:
+        view, at = memoryview(f), 0
+        while at < len(f):
+            if room == 0:
+                start()
+            n = min(room, len(f) - at)
+            cur.append(view[at:at + n])
+            at, room = at + n, room - n
+    parts.append(cur)
+    return parts
+
+
+class PartJoiner:
+    """Puts a message from the router that came in PARTs back together (docs/protocol.md#parts)."""
+
+    def __init__(self):
+        self.open = None   # {"sizes", "frames", "at", "next"} of the unfinished message
+
+    def take(self, frames):
+        """The whole message, frames that are not a PART as they are, or None while parts are missing."""
+        try:
+            env = msgpack.unpackb(frames[0], raw=False)
+        except Exception:
+            return frames
+        if not (isinstance(env, list) and len(env) == 5 and env[0] == "SWRM" and env[2] == PART and len(frames) >= 2):
+            return frames
+        if env[3] == 0:
+            self.open = None   # a part 0 starts over
+        try:
+            return self._take(env[3], frames)
+        except WireError:
+            self.open = None
+            raise
+
+    def _take(self, index, frames):
+        if len(frames[1]) > PART_BYTES:
+            raise WireError("too_large", f"PART {index}: frame 1 is over the limit")
+        if self.open is None:
+            if index != 0:
+                raise WireError("out_of_order", f"PART {index} came with no part 0 before it")
+            try:
+                header = msgpack.unpackb(frames[1], raw=False)
+            except Exception as e:
+                raise WireError("malformed", f"PART 0: header is not msgpack: {e}")
+            sizes = header.get("frames") if isinstance(header, dict) else None
+            if not (isinstance(sizes, list) and 2 <= len(sizes) <= MAX_FRAMES and
+                    all(isinstance(n, int) and n >= 0 for n in sizes)):
+                raise WireError("malformed", "PART 0 must declare \"frames\": the size of each of the message's frames")
+            if sum(sizes) > MAX_MESSAGE_BYTES:
+                raise WireError("too_large", "PART 0 declares more than the message limit")
+            self.open = {"sizes": sizes, "frames": [bytearray() for _ in sizes], "at": 0, "next": 0}
+        elif index != self.open["next"]:
+            raise WireError("out_of_order", f"PART {index} came where part {self.open['next']} was due")
+        o = self.open
+        sizes, got = o["sizes"], o["frames"]
+
+        def skip_full():
+            while o["at"] < len(sizes) and len(got[o["at"]]) == sizes[o["at"]]:
+                o["at"] += 1
+
+        total = 0
+        for piece in frames[2:]:
+            skip_full()
+            total += len(piece)
+            if not piece or total > PART_BYTES or o["at"] == len(sizes) or \
+                    len(piece) > sizes[o["at"]] - len(got[o["at"]]):
+                raise WireError("malformed", f"PART {index}: a piece is empty, over the limit or past the frames part 0 declared")
+            got[o["at"]] += piece
+        if total == 0:
+            raise WireError("malformed", f"PART {index} carries no piece")
+        o["next"] += 1
+        skip_full()
+        if o["at"] < len(sizes):
+            return None
+        self.open = None
+        return [bytes(f) for f in got]
 
 
 def f32(a):
@@ -182,13 +279,17 @@ class Peer:
         self.sock.setsockopt(zmq.ROUTING_ID, self.route)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.args.router)
+        self.parts = PartJoiner()
+        self.router_parts = False   # until WELCOME says the router takes PARTs
         self.send(HELLO, 0, {"role": "stage", "version": VERSION, "name": self.args.name, "device": "cpu",
                              "device_name": "cpu", "precision": "fp32", "stage": self.args.stage, "prefer_stage": -1,
-                             "pid": os.getpid()})
+                             "pid": os.getpid(), "parts": True})
         self.last_heard = time.monotonic()
 
     def send(self, mtype, mid, body=None, tensors=(), attempt=0, version=VERSION):
-        self.sock.send_multipart(encode(mtype, mid, body, tensors, attempt, version))
+        frames = encode(mtype, mid, body, tensors, attempt, version)
+        for part in split_parts(frames) if self.router_parts else [frames]:
+            self.sock.send_multipart(part)
 
     def error(self, mid, attempt, name, message, request_type=None, tensor=None):
         body = {"code": ERRC[name], "name": name, "message": message[:8000]}
@@ -217,7 +318,15 @@ class Peer:
             if not self.sock.poll(max(1, int((next_beat - time.monotonic()) * 1000))):
                 continue
             frames = self.sock.recv_multipart()
-            self.last_heard = time.monotonic()
+            self.last_heard = time.monotonic()   # a PART too: the rest of its message is on the way
+            try:
+                frames = self.parts.take(frames)
+            except WireError as e:
+                self.stats["errors"] += 1
+                log("dropped a message from the router that came in parts:", e)
+                continue
+            if frames is None:
+                continue
             if self.handle(frames) == "bye":
                 return
 
@@ -232,6 +341,7 @@ class Peer:
             if mtype == WELCOME:
                 self.heartbeat_ms = max(10, field(body, "heartbeat_ms", "int", False, self.heartbeat_ms))
                 self.liveness = max(1, field(body, "liveness", "int", False, self.liveness))
+                self.router_parts = body.get("parts") is True
                 pid = body.get("peer_id")
                 if pid is not None and not isinstance(pid, bytes):
                     raise WireError("malformed", "WELCOME.peer_id must be msgpack bin")

@@ -416,3 +416,46 @@ TEST(Hosts, AMessageThatTakesSecondsToArriveDoesNotCostItsSenderTheConnection) {
   EXPECT_EQ(log.find("joined asking for stage", log.find("job " + std::to_string(id) + " running")), std::string::npos)
       << "a peer had to join again: " << log;
 }
+
+// ZeroMQ hands a message over only once all of it has arrived, so a large one on a slow link
+// kept its receiver from hearing its sender for as long as it took: with the default liveness
+// (1.5 s) a live peer was declared dead while its outer gradients crossed the link, and a stage
+// server whose router sent it the group's mean took the router for gone. Messages over 64 KiB
+// now travel in PARTs, each a whole message and a sign of life. Here one stage server on a
+// 2 Mbit/s link sends its 2 MB of outer gradients through the hub and gets the mean back (about
+// 8 s each way), at the router's default heartbeat and liveness. One sender a link: two TCP
+// flows into one shaped queue can stall each other for longer than 1.5 s, parts or not.
+TEST(Hosts, ALargeMessageOnASlowLinkComesInPartsThatKeepBothEndsAliveAtTheDefaultLiveness) {
+  SKIP_WITHOUT_HOSTS();
+  const std::string dir = temp_dir();
+  const std::string data = write_text(dir);
+  HostsOptions o;
+  o.count = 2;
+  o.rate_mbit = 2;
+  Hosts hosts(o);
+  auto place = [&](size_t i) { return Place{hosts.exec_prefix(i), hosts.address(i)}; };
+  LocalSwarm swarm(dir, kBuild);
+  swarm.start_router({"--data-root", dir}, place(0));
+  swarm.start_stage(0, "s0", 1, {}, place(1));
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, 1);
+  const int steps = 4;
+  json job = tiny_job(data, 1, steps, "sync");
+  job["model"]["d_model"] = 128;   // 2 MB of fp32 outer gradients
+  job["model"]["n_head"] = 4;
+  job["routing"] = {{"hops", "hub"}};
+  job["compression"] = {{"activations", "fp32"}, {"gradients", "fp32"}, {"outer", "fp32"}};
+  job["diloco"]["inner_steps"] = steps;   // one round, at the end
+  const uint64_t id = submit(c, job);
+  const json st = follow_to_end(c, id, 120, 250);
+  swarm.stop_all();
+  ASSERT_EQ(st["state"], "done") << st.dump();
+  EXPECT_EQ(st["rounds"], 1);
+  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  const std::string log = slurp(dir + "/router.log");
+  for (const char* dead : {"is gone: missed", "is gone: unreachable", "said HELLO again"}) EXPECT_EQ(log.find(dead), std::string::npos) << log;
+  EXPECT_EQ(log.find("joined asking for stage", log.find("job " + std::to_string(id) + " running")), std::string::npos)
+      << "the peer had to join again: " << log;
+  const std::string stage_log = slurp(dir + "/s0.log");
+  EXPECT_EQ(stage_log.find("reconnecting"), std::string::npos) << "s0 took the router for gone: " << stage_log;
+}

@@ -59,6 +59,56 @@ TEST(Core, TrainsAJobToTheEndWithNothingLost) {
   EXPECT_GT(received(f, "p-a0", MsgType::kRoundReduce) + received(f, "p-a1", MsgType::kRoundReduce), 0u);
 }
 
+// A large message comes in PARTs (docs/protocol.md#parts): each is a sign of life from its sender,
+// so a peer whose message takes longer than the liveness window to arrive is not declared dead,
+// while one that falls silent is. The router sends in parts only to those that said they take them.
+TEST(Core, EachPartOfALargeMessageKeepsItsSenderAliveAndPartsGoOnlyToThoseThatTakeThem) {
+  CoreOptions opt;   // 500 ms x 3: 1.5 s of silence
+  RouterCore core(opt);
+  auto hello = [&](const PeerId& id, bool parts, msg::Role role = msg::Role::kStage) {
+    msg::Hello h;
+    h.role = role;
+    h.version = wire::kVersion;
+    h.name = id;
+    h.parts = parts;
+    const Actions out = core.on_message(id, msg::make(h, 1), 0);
+    for (const Action& a : out)
+      if (const auto* s = std::get_if<Send>(&a); s && s->msg.type == MsgType::kWelcome) return msg::read<msg::Welcome>(s->msg).parts;
+    ADD_FAILURE() << "no WELCOME for " << id;
+    return false;
+  };
+  EXPECT_TRUE(hello("p-sender", true));
+  EXPECT_TRUE(hello("p-whole", false));
+  EXPECT_TRUE(hello("c-client", true, msg::Role::kClient));
+  EXPECT_TRUE(core.takes_parts("p-sender"));
+  EXPECT_FALSE(core.takes_parts("p-whole"));
+  EXPECT_TRUE(core.takes_parts("c-client"));
+  EXPECT_FALSE(core.takes_parts("p-stranger"));
+  auto dead = [&](const Actions& out) {
+    std::set<std::string> ids;
+    for (const Action& a : out)
+      if (const auto* l = std::get_if<Log>(&a); l && l->text.find("is gone") != std::string::npos) ids.insert(l->text);
+    return ids;
+  };
+  // Ten seconds of parts from p-sender, one every 0.5 s; p-whole heartbeats.
+  for (double t = 0.5; t <= 10.0; t += 0.5) {
+    EXPECT_TRUE(core.on_message("p-sender", wire::Message(MsgType::kPart, 0), t).empty());   // no answer to a part
+    core.on_message("p-whole", wire::Message(MsgType::kHeartbeat), t);
+    EXPECT_TRUE(dead(core.tick(t + 0.25)).empty()) << t;
+  }
+  EXPECT_EQ(core.registry().size(), 2u);
+  // Then nothing: dead after the window.
+  core.on_message("p-whole", wire::Message(MsgType::kHeartbeat), 11.0);
+  const auto gone = dead(core.tick(11.6));
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_NE(gone.begin()->find("p-sender"), std::string::npos) << *gone.begin();
+  // A stranger's part is refused like anything else but HELLO.
+  bool refused = false;
+  for (const Action& a : core.on_message("p-stranger", wire::Message(MsgType::kPart, 0), 12.0))
+    if (const auto* s = std::get_if<Send>(&a); s && s->msg.type == MsgType::kError) refused = msg::read<msg::Error>(s->msg).code == int(WireErrc::kOutOfOrder);
+  EXPECT_TRUE(refused);
+}
+
 // A stage server counts any message from the router as a sign of life (docs/protocol.md), so
 // the router heartbeats only the peers it sent no request since its last round: peers busy
 // training get few heartbeats, and none goes two rounds without hearing from the router. With a
