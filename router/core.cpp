@@ -374,8 +374,12 @@ Actions RouterCore::on_message(const PeerId& from, wire::Message m, double now, 
   }
   if (p) I.peers.touch(*p, now);
   if (cl != I.clients.end()) cl->second.last_s = now;
-  // A piece of a larger message on its way (wire::PartJoiner): a sign of life, and nothing more.
-  if (m.type == MsgType::kPart && (p || cl != I.clients.end())) return out;
+  // A piece of a larger message on its way (wire::PartJoiner): a sign of life, and what holds
+  // the peer's deadlines while it lasts (Registry::sending).
+  if (m.type == MsgType::kPart && (p || cl != I.clients.end())) {
+    if (p) p->parts_s = now;
+    return out;
+  }
   try {
     if (m.type == MsgType::kHello) {
       I.on_hello(c, from, m, who);
@@ -384,7 +388,11 @@ Actions RouterCore::on_message(const PeerId& from, wire::Message m, double now, 
     } else {
       switch (m.type) {
         case MsgType::kHeartbeat:
-          if (p) p->heartbeat = msg::read<msg::Heartbeat>(m);
+          if (p) {
+            p->heartbeat = msg::read<msg::Heartbeat>(m);
+            // A large message from the router is still reaching it: as good as one coming from it.
+            if (p->heartbeat.receiving) p->parts_s = now;
+          }
           break;
         case MsgType::kBye:
           if (p) I.peer_dead(c, from, "said goodbye");
@@ -526,6 +534,11 @@ Actions RouterCore::tick(double now) {
   for (uint64_t rid : I.requests.expired(now)) {
     const Pending* pd = I.requests.find(rid);
     if (!pd) continue;
+    // A peer sending a large message is not late: the reply comes after it, on its connection.
+    if (const Peer* p = I.peers.find(pd->peer); p && I.peers.sending(*p, now)) {
+      I.requests.postpone(rid, now + I.peers.window_s());
+      continue;
+    }
     // A hop goes to another peer; anything else is its job's to decide (a snapshot or a round
     // goes on without this peer's part, a joiner's state is asked of another donor).
     c.warn("request " + std::to_string(rid) + " (" + req_kind_name(pd->kind) + ") to " + I.name_of(pd->peer) + " passed its deadline (" +

@@ -104,7 +104,8 @@ void Durability::on_reply(Ctx& c, Peer& p, const Pending& pd, wire::Message& m) 
 
 bool Durability::advance(Ctx& c, const nlohmann::json& router_state, uint64_t next_microbatch, uint64_t rounds, const nlohmann::json& spec) {
   if (!collecting_) return true;
-  if (!waiting_.empty() && c.now < deadline_s_) return false;
+  // A peer still sending a large message (its state, on a slow link) is waited for past the deadline.
+  if (!waiting_.empty() && (c.now < deadline_s_ || c.peers.any_sending(waiting_, c.now))) return false;
   for (const PeerId& id : waiting_) {
     const Peer* p = c.peers.find(id);
     c.warn("no snapshot from peer " + (p ? p->hello.name : id) + " in time; its stage keeps its previous one");

@@ -83,6 +83,13 @@ std::vector<uint64_t> Requests::expired(double now) {
   return out;
 }
 
+void Requests::postpone(uint64_t id, double deadline_s) {
+  const uint32_t* at = by_id_.find(id);
+  if (!at) return;
+  slab_[*at].deadline_s = deadline_s;
+  deadlines_.emplace(deadline_s, id);
+}
+
 std::vector<uint64_t> Requests::of_peer(const PeerId& peer) const {
   std::vector<uint64_t> out;
   for_each([&](uint64_t id, const Pending& p) {

@@ -66,6 +66,8 @@ class Requests {
   // Ids whose deadline is before now, earliest first (ties by id). They leave the deadline
   // order: the caller takes each of them.
   std::vector<uint64_t> expired(double now);
+  // A later deadline for a pending request (it is still on its way: Registry::sending).
+  void postpone(uint64_t id, double deadline_s);
   // Ids of the requests held by a peer, or for a job, in id order.
   std::vector<uint64_t> of_peer(const PeerId& peer) const;
   std::vector<uint64_t> of_job(uint64_t job) const;

@@ -516,17 +516,23 @@ void Rounds::vote(Ctx& c, int s) {
   }
 }
 
+bool Rounds::overdue(const Ctx& c, const Stage& st) const {
+  // A member still sending a large message (its delta, on a slow link) is waited for past the
+  // deadline: what it sends the round comes after it.
+  return c.now >= deadline_s_ && !c.peers.any_sending(st.waiting, c.now);
+}
+
 bool Rounds::advance(Ctx& c, bool may_apply) {
   if (!open_) return true;
   bool done = true;
   for (int s = 0; s < int(stages_.size()); ++s) {
     Stage& st = stages_[size_t(s)];
-    if (st.phase == Stage::Phase::kCollect && (st.waiting.empty() || c.now >= deadline_s_)) reduce(c, s);
+    if (st.phase == Stage::Phase::kCollect && (st.waiting.empty() || overdue(c, st))) reduce(c, s);
     if (st.phase == Stage::Phase::kReduced && may_apply) {
       apply(c, s);
       deadline_s_ = std::max(deadline_s_, c.now + spec_.diloco.deadline_s);
     }
-    if (st.phase == Stage::Phase::kApply && (st.waiting.empty() || c.now >= deadline_s_)) vote(c, s);
+    if (st.phase == Stage::Phase::kApply && (st.waiting.empty() || overdue(c, st))) vote(c, s);
     done &= st.phase == Stage::Phase::kDone;
   }
   if (done) {

@@ -144,6 +144,8 @@ class Rounds {
   int64_t part_values(int stage, int shards, int j) const;
   void reduce(Ctx& c, int s);
   void reduce_part(Ctx& c, int s, int j);
+  // The phase's deadline passed, and no member it waits for is still sending a large message.
+  bool overdue(const Ctx& c, const Stage& st) const;
   // A round request's deadline: a request's usual one, plus, when its tensors go inline (through
   // the router's link, with every other stage's), the allowance for the round's inline bytes.
   double phase_deadline(const Ctx& c, const Peer& p, bool p2p) const;

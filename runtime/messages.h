@@ -119,6 +119,7 @@ struct Heartbeat {
   uint64_t overflows = 0;      // backwards whose gradients overflowed (mixed precision)
   uint64_t queue = 0;          // requests waiting for its compute thread
   bool ready = false;
+  bool receiving = false;     // a large message from the router is coming in PARTs: its replies come after it
   uint64_t recomputes = 0;
   uint64_t skipped_steps = 0;  // optimizer steps skipped for an overflow
   int32_t stage = -1;
@@ -136,6 +137,7 @@ struct Heartbeat {
     v.field("overflows", overflows, kOptional, kMaxCount);
     v.field("queue", queue, kOptional, kMaxCount);
     v.field("ready", ready, kOptional);
+    v.field("receiving", receiving, kOptional);
     v.field("recomputes", recomputes, kOptional, kMaxCount);
     v.field("skipped_steps", skipped_steps, kOptional, kMaxCount);
     v.field("stage", stage, kOptional, -1, kMaxStageIndex);

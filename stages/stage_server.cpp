@@ -533,13 +533,16 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     // A peer with faults injected heartbeats every beat: the `heartbeat` fault point keeps its pace
     // (docs/faults.md, "Points").
     const double beat_s = heartbeat_ms / 1000.0;
-    const double beat_due_s = faults.armed() ? last_beat_s + beat_s : timing::next_heartbeat_s(last_beat_s, last_sent_s, beat_s, liveness);
+    // So does one receiving a large message in PARTs: each beat tells the router its replies wait behind it.
+    const bool receiving = parts.unfinished() > 0;
+    const double beat_due_s = faults.armed() || receiving ? last_beat_s + beat_s : timing::next_heartbeat_s(last_beat_s, last_sent_s, beat_s, liveness);
     if (now_s() >= beat_due_s) {
       last_beat_s = now_s();
       msg::Heartbeat b;
       b.stage = stats.stage.load();
       b.job_id = stats.job_id.load();
       b.ready = stats.ready.load();
+      b.receiving = receiving;
       b.queue = inbox.size();
       b.ms_per_unit = stats.ms_per_unit.load();
       b.forwards = stats.forwards.load();

@@ -302,6 +302,7 @@ class Peer:
     def heartbeat(self):
         self.send(HEARTBEAT, 0, {"stage": self.stage_index, "job_id": self.job_id, "ready": self.stage is not None,
                                  "queue": 0, "ms_per_unit": 0.0, "overflows": 0, "skipped_steps": 0, "loss_scale": 0.0,
+                                 "receiving": self.parts.open is not None,
                                  **self.stats})
 
     def run(self):

@@ -377,6 +377,43 @@ TEST(Hosts, HubSwarmOnNineHostsTrainsThroughAKillAndACutLink) {
   EXPECT_GT(st["hops"]["bytes_through_router"].get<double>(), 0.9 * moved) << st["hops"].dump();
 }
 
+// One sync job through the hub on hosts with 2 Mbit/s links: the router on host 0, stage s's
+// server ("s0", "s1", ...) on host s + 1, fp32 outer gradients (1 MB a stage at d_model 128, 2 MB
+// for one stage alone) in one round at the end. Its final status and id.
+namespace {
+struct HubRound {
+  json status;
+  uint64_t job = 0;
+};
+HubRound one_round_through_the_hub(const std::string& dir, int stages, const std::vector<std::string>& router_args) {
+  const std::string data = write_text(dir);
+  HostsOptions o;
+  o.count = stages + 1;
+  o.rate_mbit = 2;
+  Hosts hosts(o);
+  auto place = [&](size_t i) { return Place{hosts.exec_prefix(i), hosts.address(i)}; };
+  LocalSwarm swarm(dir, kBuild);
+  std::vector<std::string> args{"--data-root", dir};
+  args.insert(args.end(), router_args.begin(), router_args.end());
+  swarm.start_router(args, place(0));
+  for (int s = 0; s < stages; ++s) swarm.start_stage(s, "s" + std::to_string(s), 1, {}, place(size_t(s) + 1));
+  Client c(swarm.router_endpoint());
+  wait_for_peers(c, size_t(stages));
+  const int steps = 4;
+  json job = tiny_job(data, stages, steps, "sync");
+  job["model"]["d_model"] = 128;
+  job["model"]["n_head"] = 4;
+  job["routing"] = {{"hops", "hub"}};
+  job["compression"] = {{"activations", "fp32"}, {"gradients", "fp32"}, {"outer", "fp32"}};
+  job["diloco"]["inner_steps"] = steps;   // one round, at the end
+  HubRound r;
+  r.job = submit(c, job);
+  r.status = follow_to_end(c, r.job, 120, 250);
+  swarm.stop_all();
+  return r;
+}
+}  // namespace
+
 // A CURVE router counts only whole messages as signs of life on a connection (ZeroMQ's
 // heartbeats), so a message that took longer to arrive than their 4-s timeout closed a live
 // peer's connection mid-message, and the router's next send declared the peer dead. Here each
@@ -386,34 +423,13 @@ TEST(Hosts, HubSwarmOnNineHostsTrainsThroughAKillAndACutLink) {
 TEST(Hosts, AMessageThatTakesSecondsToArriveDoesNotCostItsSenderTheConnection) {
   SKIP_WITHOUT_HOSTS();
   const std::string dir = temp_dir();
-  const std::string data = write_text(dir);
-  HostsOptions o;
-  o.count = 3;
-  o.rate_mbit = 2;
-  Hosts hosts(o);
-  auto place = [&](size_t i) { return Place{hosts.exec_prefix(i), hosts.address(i)}; };
-  LocalSwarm swarm(dir, kBuild);
-  swarm.start_router({"--data-root", dir, "--heartbeat-ms", "1000", "--liveness", "20"}, place(0));
-  swarm.start_stage(0, "s0", 1, {}, place(1));
-  swarm.start_stage(1, "s1", 1, {}, place(2));
-  Client c(swarm.router_endpoint());
-  wait_for_peers(c, 2);
-  const int steps = 4;
-  json job = tiny_job(data, 2, steps, "sync");
-  job["model"]["d_model"] = 128;   // 1 MB of fp32 outer gradients a stage
-  job["model"]["n_head"] = 4;
-  job["routing"] = {{"hops", "hub"}};
-  job["compression"] = {{"activations", "fp32"}, {"gradients", "fp32"}, {"outer", "fp32"}};
-  job["diloco"]["inner_steps"] = steps;   // one round, at the end
-  const uint64_t id = submit(c, job);
-  const json st = follow_to_end(c, id, 120, 250);
-  swarm.stop_all();
-  ASSERT_EQ(st["state"], "done") << st.dump();
-  EXPECT_EQ(st["rounds"], 1);
-  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  const HubRound r = one_round_through_the_hub(dir, 2, {"--heartbeat-ms", "1000", "--liveness", "20"});
+  ASSERT_EQ(r.status["state"], "done") << r.status.dump();
+  EXPECT_EQ(r.status["rounds"], 1);
+  EXPECT_EQ(r.status["microbatches"]["lost"], 0);
   const std::string log = slurp(dir + "/router.log");
   EXPECT_EQ(log.find("is gone: unreachable"), std::string::npos) << log;
-  EXPECT_EQ(log.find("joined asking for stage", log.find("job " + std::to_string(id) + " running")), std::string::npos)
+  EXPECT_EQ(log.find("joined asking for stage", log.find("job " + std::to_string(r.job) + " running")), std::string::npos)
       << "a peer had to join again: " << log;
 }
 
@@ -423,39 +439,24 @@ TEST(Hosts, AMessageThatTakesSecondsToArriveDoesNotCostItsSenderTheConnection) {
 // server whose router sent it the group's mean took the router for gone. Messages over 64 KiB
 // now travel in PARTs, each a whole message and a sign of life. Here one stage server on a
 // 2 Mbit/s link sends its 2 MB of outer gradients through the hub and gets the mean back (about
-// 8 s each way), at the router's default heartbeat and liveness. One sender a link: two TCP
-// flows into one shaped queue can stall each other for longer than 1.5 s, parts or not.
+// 8 s each way), at the router's default heartbeat and liveness; the round waits for the
+// gradient while its parts come, past the request's deadline. One sender a link: two TCP flows
+// into one shaped queue can stall each other for longer than 1.5 s, parts or not.
 TEST(Hosts, ALargeMessageOnASlowLinkComesInPartsThatKeepBothEndsAliveAtTheDefaultLiveness) {
   SKIP_WITHOUT_HOSTS();
   const std::string dir = temp_dir();
-  const std::string data = write_text(dir);
-  HostsOptions o;
-  o.count = 2;
-  o.rate_mbit = 2;
-  Hosts hosts(o);
-  auto place = [&](size_t i) { return Place{hosts.exec_prefix(i), hosts.address(i)}; };
-  LocalSwarm swarm(dir, kBuild);
-  swarm.start_router({"--data-root", dir}, place(0));
-  swarm.start_stage(0, "s0", 1, {}, place(1));
-  Client c(swarm.router_endpoint());
-  wait_for_peers(c, 1);
-  const int steps = 4;
-  json job = tiny_job(data, 1, steps, "sync");
-  job["model"]["d_model"] = 128;   // 2 MB of fp32 outer gradients
-  job["model"]["n_head"] = 4;
-  job["routing"] = {{"hops", "hub"}};
-  job["compression"] = {{"activations", "fp32"}, {"gradients", "fp32"}, {"outer", "fp32"}};
-  job["diloco"]["inner_steps"] = steps;   // one round, at the end
-  const uint64_t id = submit(c, job);
-  const json st = follow_to_end(c, id, 120, 250);
-  swarm.stop_all();
-  ASSERT_EQ(st["state"], "done") << st.dump();
-  EXPECT_EQ(st["rounds"], 1);
-  EXPECT_EQ(st["microbatches"]["lost"], 0);
+  const HubRound r = one_round_through_the_hub(dir, 1, {});
+  ASSERT_EQ(r.status["state"], "done") << r.status.dump();
+  EXPECT_EQ(r.status["rounds"], 1);
+  EXPECT_EQ(r.status["microbatches"]["lost"], 0);
   const std::string log = slurp(dir + "/router.log");
   for (const char* dead : {"is gone: missed", "is gone: unreachable", "said HELLO again"}) EXPECT_EQ(log.find(dead), std::string::npos) << log;
-  EXPECT_EQ(log.find("joined asking for stage", log.find("job " + std::to_string(id) + " running")), std::string::npos)
+  EXPECT_EQ(log.find("joined asking for stage", log.find("job " + std::to_string(r.job) + " running")), std::string::npos)
       << "the peer had to join again: " << log;
+  // Its outer gradient took longer than the request's deadline allows (2 s and 100 Mbit/s): the
+  // round waited for it while its parts came, and used it.
+  EXPECT_EQ(log.find("passed its deadline"), std::string::npos) << log;
+  EXPECT_EQ(log.find("no outer gradient"), std::string::npos) << log;
   const std::string stage_log = slurp(dir + "/s0.log");
   EXPECT_EQ(stage_log.find("reconnecting"), std::string::npos) << "s0 took the router for gone: " << stage_log;
 }

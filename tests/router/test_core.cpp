@@ -543,6 +543,42 @@ TEST(Core, OuterGradientsThatTakeSecondsToArriveStillCountInTheirRound) {
   EXPECT_EQ(f.status(job)["rounds"], 2);
 }
 
+TEST(Core, AReplyStillComingInPartsIsWaitedForPastEveryDeadline) {
+  // On a link slower than the deadlines allow for (they assume 100 Mbit/s), each outer gradient
+  // and each stage's state takes 40 s to reach the router: past the requests' deadlines, the
+  // round's (diloco.deadline_s, 5 s here) and the snapshot's. Sent in PARTs, each part says the
+  // reply is on its way, and every deadline waits for it; so it does when the heartbeats say a
+  // large message from the router is still reaching the peer (`receiving`: the reply waits
+  // behind it). Sent whole, the round goes on without them.
+  for (const char* mode : {"parts", "receiving", "whole"}) {
+    SCOPED_TRACE(mode);
+    const bool parts = std::string(mode) != "whole";
+    FakeSwarm f;
+    two_by_two(f);
+    for (auto& [id, p] : f.peers) {
+      p.reply_after_s[MsgType::kRoundBegin] = 40.0;
+      p.reply_after_s[MsgType::kStateRequest] = 40.0;
+      p.parts = std::string(mode) == "parts";
+      p.receiving = std::string(mode) == "receiving";
+    }
+    json spec = FakeSwarm::tiny_spec(2, 4);
+    spec["checkpoint"] = {{"dir", "/ck"}, {"every_steps", 2}};
+    spec["routing"] = {{"rebalance", false}};
+    const uint64_t job = f.submit(f.client(), spec);
+    ASSERT_TRUE(f.run(400, [&] { return done(f, job); }));
+    EXPECT_EQ(f.logged("no outer gradient"), !parts);
+    EXPECT_EQ(f.logged("passed its deadline"), !parts);
+    EXPECT_EQ(f.logged("(snapshot)"), !parts);   // a snapshot request that passed its deadline
+    EXPECT_EQ(f.status(job)["rounds"], 2);
+    if (parts) {
+      ASSERT_EQ(f.checkpoints["/ck"].size(), 2u);
+      for (const Checkpoint& ck : f.checkpoints["/ck"]) EXPECT_EQ(ck.stages.size(), 2u);
+    }
+    // No peer was declared dead: they heartbeat throughout, parts or not.
+    EXPECT_FALSE(f.logged("is gone"));
+  }
+}
+
 TEST(Core, AJobWithoutCheckpointsAsksForNoSnapshotAtItsEnd) {
   // Rounds at steps 2 and 4 (the end). The snapshot after the first keeps the stages' state for a
   // peer that must be restored; one after the last would move every stage's state to the router

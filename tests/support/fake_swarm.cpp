@@ -255,6 +255,12 @@ bool FakeSwarm::run(double seconds, const std::function<bool()>& until) {
       const FakePeer& p = peers.at(id);
       if (p.alive && !p.silent) deliver(id, std::move(m));
     }
+    for (const auto& [t, reply] : later_) {
+      FakePeer& p = peers.at(reply.first);
+      if (!p.alive || p.silent || !p.parts || now - p.last_part_s < 0.25) continue;
+      p.last_part_s = now;
+      deliver(p.id, wire::Message(wire::MsgType::kPart));
+    }
     if (now - last_beat_ >= beat_s) {
       last_beat_ = now;
       for (auto& [id, p] : peers) {
@@ -263,6 +269,8 @@ bool FakeSwarm::run(double seconds, const std::function<bool()>& until) {
         hb.stage = p.book.stage;
         hb.job_id = p.book.job;
         hb.ms_per_unit = p.claims_ms_per_unit;
+        if (p.receiving)
+          for (const auto& [t, reply] : later_) hb.receiving |= reply.first == id;
         deliver(id, msg::make(hb));
       }
     }

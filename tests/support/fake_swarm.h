@@ -28,6 +28,12 @@ struct FakePeer {
   // Its reply to a request of this type reaches the router this many seconds later (a large
   // reply on a slow link); every other reply arrives at the next tick.
   std::map<wire::MsgType, double> reply_after_s;
+  // Such a reply comes in PARTs (docs/protocol.md#parts): one reaches the router every 0.25 s
+  // while it is on its way, as a real large reply's would.
+  bool parts = false;
+  double last_part_s = -1e300;
+  // Or its heartbeats say a large message from the router is still reaching it (receiving).
+  bool receiving = false;
   double claims_ms_per_unit = 0;   // the speed its heartbeats report (0: none yet)
   // What it loaded and holds, and how it lies (wrong shapes, false bad-input reports, a wrong
   // parameter count, its state hash): the simulator's stage server, sim/stage_replies.h.
