@@ -533,7 +533,9 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
     // A peer with faults injected heartbeats every beat: the `heartbeat` fault point keeps its pace
     // (docs/faults.md, "Points").
     const double beat_s = heartbeat_ms / 1000.0;
-    // So does one receiving a large message in PARTs: each beat tells the router its replies wait behind it.
+    // So does one receiving a large message in PARTs: each beat tells the router its replies wait
+    // behind it. One whose parts stopped coming (the router's send failed half-way) is dropped.
+    parts.expire(now_s(), silent_s);
     const bool receiving = parts.unfinished() > 0;
     const double beat_due_s = faults.armed() || receiving ? last_beat_s + beat_s : timing::next_heartbeat_s(last_beat_s, last_sent_s, beat_s, liveness);
     if (now_s() >= beat_due_s) {

@@ -97,6 +97,13 @@ class PartJoiner:
 
     def __init__(self):
         self.open = None   # {"sizes", "frames", "at", "next"} of the unfinished message
+        self.last = 0.0    # when its last part came
+
+    def receiving(self, silent_s):
+        """Whether a message is coming in parts; one whose parts stopped for silent_s is dropped."""
+        if self.open is not None and time.monotonic() - self.last > silent_s:
+            self.open = None
+        return self.open is not None
 
     def take(self, frames):
         """The whole message, frames that are not a PART as they are, or None while parts are missing."""
@@ -106,6 +113,7 @@ class PartJoiner:
             return frames
         if not (isinstance(env, list) and len(env) == 5 and env[0] == "SWRM" and env[2] == PART and len(frames) >= 2):
             return frames
+        self.last = time.monotonic()
         if env[3] == 0:
             self.open = None   # a part 0 starts over
         try:
@@ -302,7 +310,7 @@ class Peer:
     def heartbeat(self):
         self.send(HEARTBEAT, 0, {"stage": self.stage_index, "job_id": self.job_id, "ready": self.stage is not None,
                                  "queue": 0, "ms_per_unit": 0.0, "overflows": 0, "skipped_steps": 0, "loss_scale": 0.0,
-                                 "receiving": self.parts.open is not None,
+                                 "receiving": self.parts.receiving(self.liveness * self.heartbeat_ms / 1000.0),
                                  **self.stats})
 
     def run(self):
