@@ -21,6 +21,7 @@
 #include "runtime/fs.h"
 #include "runtime/http.h"
 #include "runtime/limits.h"
+#include "runtime/parts.h"
 #include "runtime/text.h"
 
 namespace swarm::router {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "runtime/errors.h"
+#include "runtime/parts.h"
 #include "runtime/wire.h"
 
 namespace swarm {

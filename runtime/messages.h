@@ -558,6 +558,14 @@ struct Release {
   void visit(V& v) { v.field("keys", keys, kRequired, kMaxKeys, int64_t(0), wire::kIntMax); }
 };
 
+// PART 0's header (docs/protocol.md#parts): the byte size of each frame of the message it starts.
+struct PartHeader {
+  static constexpr MsgType kType = MsgType::kPart;
+  std::vector<int64_t> frames;
+  template <class V>
+  void visit(V& v) { v.field("frames", frames, kRequired, limits::kMaxFrames, int64_t(0), int64_t(limits::kMaxMessageBytes)); }
+};
+
 // PEER_KEYS (router -> stage server, CURVE swarms only): public keys of stage servers that may
 // now fetch from this one (add) and that no longer may (remove).
 struct PeerKeys {

@@ -34,6 +34,7 @@
 #include "runtime/http.h"
 #include "runtime/log.h"
 #include "runtime/messages.h"
+#include "runtime/parts.h"
 #include "runtime/timing.h"
 #include "stages/compute_threads.h"
 #include "stages/device_info.h"

@@ -28,6 +28,7 @@
 #include "runtime/memory_estimate.h"
 #include "runtime/messages.h"
 #include "runtime/random.h"
+#include "runtime/parts.h"
 #include "runtime/wire.h"
 #include "tools/conformance_detail.h"
 

@@ -24,6 +24,7 @@
 #include "runtime/job_spec.h"
 #include "runtime/limits.h"
 #include "runtime/messages.h"
+#include "runtime/parts.h"
 #include "runtime/wire.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_frames.h"

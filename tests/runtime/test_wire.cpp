@@ -12,6 +12,7 @@
 #include "runtime/limits.h"
 #include "runtime/messages.h"
 #include "runtime/timing.h"
+#include "runtime/parts.h"
 #include "runtime/wire.h"
 
 using namespace swarm;
