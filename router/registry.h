@@ -47,7 +47,7 @@ struct alignas(64) Peer {
   uint64_t job_id = 0;
   PeerState state = PeerState::kIdle;   // change with Registry::set_state
   double joined_s = 0, last_seen_s = 0;
-  double parts_s = -1e300;        // its last PART: a large message from it on its way (Registry::sending)
+  double parts_s = -1e300;        // its last PART, or heartbeat saying `receiving`: a large message on its connection (Registry::sending)
   double expiry_filed_s = 0;      // the Registry's: the time its liveness entry is filed under
   int bans = 0;
   uint64_t results = 0, failures = 0, integrity_failures = 0, timeouts = 0;
@@ -129,9 +129,10 @@ class Registry {
   }
   // Peers whose window passed, most overdue first. They stay registered until removed.
   std::vector<PeerId> expired(double now);
-  // Whether a large message from it is on its way: a PART came within the liveness window.
-  // Whatever it sends next, a reply the router waits for included, comes after it on the same
-  // connection, so a deadline that passes meanwhile is the link's, not the peer's.
+  // Whether a large message is on its way over its connection: a PART from it, or a heartbeat
+  // saying it is still receiving one from the router, came within the liveness window. Whatever
+  // it sends next, a reply the router waits for included, comes after it, so a deadline that
+  // passes meanwhile is the link's, not the peer's.
   bool sending(const Peer& p, double now) const { return now - p.parts_s <= window_s_; }
   template <class Ids>
   bool any_sending(const Ids& ids, double now) const {

@@ -105,13 +105,16 @@ std::optional<std::vector<zmq::message_t>> PartJoiner::take(const std::string& f
     return drop(WireErrc::kOutOfOrder, "came where part " + std::to_string(it->second.next) + " was due");
   }
   Unfinished& u = it->second;
-  uint64_t bytes = 0;
-  for (size_t i = 2; i < frames.size(); ++i) {
-    const zmq::message_t& piece = frames[i];
+  auto skip_filled = [&u] {   // past the frames already whole (and the empty ones, which get no piece)
     while (u.frame < u.sizes.size() && u.filled == u.sizes[u.frame]) {
       u.frame++;
       u.filled = 0;
     }
+  };
+  uint64_t bytes = 0;
+  for (size_t i = 2; i < frames.size(); ++i) {
+    const zmq::message_t& piece = frames[i];
+    skip_filled();
     if (piece.size() == 0) return drop(WireErrc::kMalformed, "piece " + std::to_string(i - 2) + " is empty");
     if ((bytes += piece.size()) > limits::kMaxPartBytes) return drop(WireErrc::kTooLarge, "its pieces hold more than " + std::to_string(limits::kMaxPartBytes) + " bytes");
     if (u.frame == u.sizes.size() || piece.size() > u.sizes[u.frame] - u.filled)
@@ -123,10 +126,7 @@ std::optional<std::vector<zmq::message_t>> PartJoiner::take(const std::string& f
   if (bytes == 0) return drop(WireErrc::kMalformed, "carries no piece");
   u.next++;
   u.last_s = now_s;
-  while (u.frame < u.sizes.size() && u.filled == u.sizes[u.frame]) {
-    u.frame++;
-    u.filled = 0;
-  }
+  skip_filled();
   if (u.frame < u.sizes.size()) return std::nullopt;
   std::vector<zmq::message_t> whole = std::move(u.frames);
   open_.erase(it);
