@@ -245,7 +245,7 @@ nlohmann::json RouterCore::peers_json(size_t offset, size_t limit, double now) c
                     {"stage", p.stage}, {"requested_stage", p.hello.stage}, {"preferred_stage", p.hello.prefer_stage},
                     {"state", peer_state_name(p.state)}, {"job_id", p.job_id}, {"emulate", p.hello.emulate},
                     {"profile", p.hello.profile}, {"echo", p.hello.echo}, {"ms_per_unit", p.ms_per_unit},
-                    {"turnaround_ms", p.turnaround_ms}, {"listen", p.hello.listen}, {"relayed", !p.can_hold()}, {"pushed_to", p.can_hold() && !p.no_push}, {"metrics", p.hello.metrics},
+                    {"turnaround_ms", p.turnaround_ms}, {"listen", p.hello.listen}, {"relayed", !p.can_hold()}, {"pushed_to", p.can_hold() && !p.no_push.on}, {"metrics", p.hello.metrics},
                     {"queued_units", p.queued_units}, {"results", p.results}, {"failures", p.failures},
                     {"integrity_failures", p.integrity_failures}, {"timeouts", p.timeouts},
                     {"banned_s", std::max(0.0, p.banned_until_s - now)}, {"last_seen_s", now - p.last_seen_s},

@@ -520,10 +520,13 @@ Actions RouterCore::tick(double now) {
     I.last_beat_s = now;
     for (auto it = I.clients.begin(); it != I.clients.end();) it = now - it->second.last_s > I.opt.client_idle_s ? I.clients.erase(it) : std::next(it);
   }
-  for (const PeerId& id : I.peers.relays_ended(now))
+  for (const auto& [id, kind] : I.peers.spells_ended(now))
     if (const Peer* p = I.peers.find(id))
-      c.event(EventKind::kFault, LogLevel::kInfo, "peer " + p->hello.name + " is fetched from directly again (relayed " +
-              std::to_string(p->relays) + " time(s) in a row)", p->job_id, p, p->stage);
+      c.event(EventKind::kFault, LogLevel::kInfo,
+              kind == SpellKind::kRelay
+                  ? "peer " + p->hello.name + " is fetched from directly again (relayed " + std::to_string(p->relay.times) + " time(s) in a row)"
+                  : "peer " + p->hello.name + " is pushed to again (paused " + std::to_string(p->no_push.times) + " time(s) in a row)",
+              p->job_id, p, p->stage);
   // What holders may drop, batched per holder every kReleaseEveryS: in steady training each
   // holder sees a release every few ticks, so a batch per tick was a message per key.
   if (now - I.last_release_s >= kReleaseEveryS) {

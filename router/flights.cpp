@@ -373,14 +373,14 @@ bool Flights::send_hop(Ctx& c, uint64_t key, Flight& f) {
 Peer* Flights::ahead_target(Ctx& c, const Flight& f, const Peer& to) {
   if (f.eval || f.stage == 0 || (f.kind != HopKind::kBackward && f.kind != HopKind::kForwardLoss)) return nullptr;
   Peer* q = c.peers.find(f.at[size_t(f.stage - 1)].fwd_peer);
-  if (!q || q == &to || q->job_id != cfg_.job || q->stage != f.stage - 1 || q->state != PeerState::kReady || !q->can_hold() || q->no_push)
+  if (!q || q == &to || q->job_id != cfg_.job || q->stage != f.stage - 1 || q->state != PeerState::kReady || !q->can_hold() || q->no_push.on)
     return nullptr;
   return q;
 }
 
 void Flights::push(Ctx& c, const Flight& f, const Slot& s, Peer& to, wire::Message& m) {
   const Held* h = s.held();
-  if (!h || !cfg_.p2p || !to.can_hold() || to.no_push || h->holder == to.id) return;
+  if (!h || !cfg_.p2p || !to.can_hold() || to.no_push.on || h->holder == to.id) return;
   if (h->key == f.ahead_key && to.id == f.ahead_to) {
     m.refs.back().pushed = true;   // on its way since it was made
     return;
@@ -403,12 +403,14 @@ void Flights::push(Ctx& c, const Flight& f, const Slot& s, Peer& to, wire::Messa
 
 void Flights::late_pushes(Ctx& c, Peer& to, uint64_t n) {
   to.pushes_late += n;
-  // Most pushes to it do not arrive: its address does not reach it from the holders (a NAT,
-  // a wrong --advertise). It fetches instead, without first waiting for pushes.
-  if (!to.no_push && to.pushes_late >= 3 && 2 * to.pushes_late >= to.pushes_to) {
-    to.no_push = true;
-    c.warn("peer " + to.hello.name + " is no longer pushed to: " + std::to_string(to.pushes_late) + " of " + std::to_string(to.pushes_to) +
-           " tensors pushed to " + to.hello.listen + " did not arrive in time; it fetches them instead");
+  // Most pushes to it do not arrive in time: its address does not reach it from the holders (a
+  // NAT, a wrong --advertise), or its link is congested. For a while it fetches instead, without
+  // first waiting for pushes (Registry::pause_pushes).
+  if (!to.no_push.on && to.pushes_late >= 3 && 2 * to.pushes_late >= to.pushes_to) {
+    c.peers.pause_pushes(to, c.now);
+    c.warn("peer " + to.hello.name + " is not pushed to for " + std::to_string(int(to.no_push.until_s - c.now)) + " s: " +
+           std::to_string(to.pushes_late) + " of " + std::to_string(to.pushes_to) + " tensors pushed to " + to.hello.listen +
+           " did not arrive in time; it fetches them instead");
   }
 }
 
@@ -634,9 +636,9 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, FetchMi
     // time): the router relays the tensor, and a holder two receivers could not reach at all
     // is relayed for a while (Registry::relay).
     if (miss == FetchMiss::kUnreachable) holder->unreachable_from.insert(pd.peer);
-    if (!holder->relayed && holder->unreachable_from.size() >= 2) {
+    if (!holder->relay.on && holder->unreachable_from.size() >= 2) {
       c.peers.relay(*holder, c.now);
-      c.warn("peer " + holder->hello.name + " is relayed for " + std::to_string(int(holder->relayed_until_s - c.now)) + " s: " +
+      c.warn("peer " + holder->hello.name + " is relayed for " + std::to_string(int(holder->relay.until_s - c.now)) + " s: " +
              std::to_string(holder->unreachable_from.size()) + " peers could not fetch from " + holder->hello.listen + " (last: " + why + ")");
     }
     msg::Fetch body;

@@ -224,32 +224,42 @@ void Registry::ban(Peer& p, double now) {
   p.banned_until_s = now + timing::backoff_s(1.0, 60.0, p.bans);
 }
 
-void Registry::relay(Peer& p, double now) {
-  if (now - p.relay_ended_s > kRelayCapS) p.relays = 0;
-  p.relays++;
-  p.relayed = true;
-  p.relayed_until_s = now + timing::backoff_s(kRelayBaseS, kRelayCapS, p.relays);
-  relaying_.push_back(p.id);
+void Registry::start(Peer& p, SpellKind k, double now) {
+  const bool relay = k == SpellKind::kRelay;
+  const double base = relay ? kRelayBaseS : kNoPushBaseS, cap = relay ? kRelayCapS : kNoPushCapS;
+  Spell& sp = spell(p, k);
+  if (now - sp.ended_s > cap) sp.times = 0;
+  sp.times++;
+  sp.on = true;
+  sp.until_s = now + timing::backoff_s(base, cap, sp.times);
+  spells_.emplace_back(p.id, k);
 }
 
-std::vector<PeerId> Registry::relays_ended(double now) {
-  std::vector<PeerId> out;
-  if (relaying_.empty()) return out;
+std::vector<Registry::SpellEnded> Registry::spells_ended(double now) {
+  std::vector<SpellEnded> out;
+  if (spells_.empty()) return out;
   size_t keep = 0;
-  for (size_t i = 0; i < relaying_.size(); ++i) {
-    Peer* p = find(relaying_[i]);
-    if (!p || !p->relayed) continue;   // gone (a peer that rejoins starts unrelayed)
-    if (now < p->relayed_until_s) {
-      if (keep != i) relaying_[keep] = std::move(relaying_[i]);
+  for (size_t i = 0; i < spells_.size(); ++i) {
+    Peer* p = find(spells_[i].first);
+    const SpellKind k = spells_[i].second;
+    if (!p || !spell(*p, k).on) continue;   // gone (a peer that rejoins starts afresh)
+    Spell& sp = spell(*p, k);
+    if (now < sp.until_s) {
+      if (keep != i) spells_[keep] = std::move(spells_[i]);
       keep++;
       continue;
     }
-    p->relayed = false;
-    p->unreachable_from.clear();
-    p->relay_ended_s = now;
-    out.push_back(p->id);
+    sp.on = false;
+    sp.ended_s = now;
+    if (k == SpellKind::kRelay) {
+      p->unreachable_from.clear();
+    } else {
+      p->pushes_to = 0;
+      p->pushes_late = 0;
+    }
+    out.push_back({p->id, k});
   }
-  relaying_.resize(keep);
+  spells_.resize(keep);
   return out;
 }
 

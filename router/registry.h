@@ -29,6 +29,16 @@ using PeerId = std::string;   // a ZeroMQ routing id (opaque bytes)
 enum class PeerState { kIdle, kLoading, kSyncing, kReady, kQuarantined };
 const char* peer_state_name(PeerState s);
 
+// A measure the router takes against a peer for a while (Registry::relay, pause_pushes): a base
+// time, doubling with each one in a row up to a cap; one that ended over the cap ago does not count.
+struct Spell {
+  bool on = false;
+  int times = 0;              // spells in a row (each twice as long as the one before)
+  double until_s = 0;         // when this one ends
+  double ended_s = -1e300;    // when the last one ended
+};
+enum class SpellKind : uint8_t { kRelay, kNoPush };
+
 // Aligned to a cache line, so the fields dispatch reads for every candidate of every hop
 // (Flights::send_hop, Registry::stage_peers: at 1,000 peers a few dozen peers a hop) share one
 // line and a candidate costs one cache miss, not two (docs/scale.md).
@@ -58,21 +68,19 @@ struct alignas(64) Peer {
   // Peer to peer: whether others fetch what it makes from its listen address. A peer without
   // one is relayed: its tensors go through the router. One that receivers could not reach is
   // relayed for a while (Registry::relay), then fetched from directly again.
-  bool relayed = false;
   std::set<PeerId> unreachable_from;   // receivers that could not fetch from it (since its last relay ended)
-  double relayed_until_s = 0;          // when its relay ends
-  int relays = 0;                      // relays in a row (each one twice as long)
-  double relay_ended_s = -1e300;       // when its last relay ended
-  // Pushes to it (PUSH to the holders of its hops' inputs), and those it reported late (fetched
-  // instead): a peer whose pushes do not arrive (its listen address does not reach it) is no
-  // longer pushed to, and fetches what it needs.
+  Spell relay;
+  // Pushes to it (PUSH to the holders of its hops' inputs, Hop.push_to), and those it reported
+  // late (fetched instead), since its last pause ended: a peer most of whose pushes do not arrive
+  // (its listen address does not reach the holders, or its link is congested) is not pushed to
+  // for a while (Registry::pause_pushes) and fetches what it needs, then is pushed to again.
   uint64_t pushes_to = 0, pushes_late = 0;
-  bool no_push = false;
+  Spell no_push;
   // It samples its hops' tokens and targets from its own copy of the job's data (StageReady.data,
   // for the stage it last loaded): the router sends it none (Hop.own_tokens).
   bool samples_tokens = false;
   std::vector<int64_t> to_release;   // keys of what it holds that nobody needs, for its next RELEASE (Ctx::release)
-  bool can_hold() const { return !hello.listen.empty() && !relayed; }
+  bool can_hold() const { return !hello.listen.empty() && !relay.on; }
   bool pinned() const { return hello.stage >= 0; }
   // Its measured ms per unit, else what its heartbeat says, else 0.
   double speed_ms() const { return ms_per_unit > 0 ? ms_per_unit : heartbeat.ms_per_unit; }
@@ -150,9 +158,20 @@ class Registry {
   // for a minute is relayed for a while, not for good; a holder behind a NAT costs two failed
   // fetches per relay, ever rarer.
   static constexpr double kRelayBaseS = 30, kRelayCapS = 600;
-  void relay(Peer& p, double now);
-  // Peers whose relay ended by `now`: receivers fetch from them again. Their ids.
-  std::vector<PeerId> relays_ended(double now);
+  void relay(Peer& p, double now) { start(p, SpellKind::kRelay, now); }
+  // Most tensors pushed to it came late (its listen address does not reach the holders, or a
+  // congested link): it is not pushed to for kNoPushBaseS, doubling with each pause in a row up
+  // to kNoPushCapS, then pushed to again with its counts started afresh. A link congested for a
+  // minute costs its pushes for a while, not for the rest of its session.
+  static constexpr double kNoPushBaseS = 60, kNoPushCapS = 600;
+  void pause_pushes(Peer& p, double now) { start(p, SpellKind::kNoPush, now); }
+  // The spells that ended by `now`, the peer's state reset: receivers fetch from a relayed
+  // peer again (its unreachable_from cleared); a paused one is pushed to again (its counts zero).
+  struct SpellEnded {
+    PeerId id;
+    SpellKind kind;
+  };
+  std::vector<SpellEnded> spells_ended(double now);
   bool banned(const Peer& p, double now) const { return now < p.banned_until_s; }
   uint64_t bans_total() const { return bans_total_; }   // bans of every peer since the router started
   // A deadline passed without an answer: counted; a hop's timeout also halves its expected
@@ -222,7 +241,9 @@ class Registry {
   uint64_t bans_total_ = 0;
   uint64_t ready_changes_ = 0;
   std::map<PeerId, Peer> peers_;
-  std::vector<PeerId> relaying_;   // peers relayed by relay(), until relays_ended() ends them
+  std::vector<std::pair<PeerId, SpellKind>> spells_;   // spells started, until spells_ended() ends them
+  void start(Peer& p, SpellKind k, double now);
+  static Spell& spell(Peer& p, SpellKind k) { return k == SpellKind::kRelay ? p.relay : p.no_push; }
   PeerIndex by_id_;   // find() without walking peers_ (kept in add and remove)
   // (expiry time as filed, peer) of every peer, ordered by time then id (pointers into peers_,
   // stable until erased). An entry is filed at a time its peer's last_seen_s has since passed

@@ -325,7 +325,8 @@ TEST(Core, APeerThatClaimsToBeSlowIsTriedAndMeasuredAnyway) {
   const uint64_t job = f.submit(f.client(), FakeSwarm::tiny_spec(2, 4));
   ASSERT_TRUE(f.run(30, [&] { return done(f, job); }));
   EXPECT_GT(received(f, ids[1], MsgType::kForward), 0u) << "a1 was never sent a forward";
-  for (const json& p : f.core.peers_json(0, 100, f.now)["peers"])
+  const json peers = f.core.peers_json(0, 100, f.now);   // kept: a loop over a temporary's member would dangle
+  for (const json& p : peers["peers"])
     if (p["name"] == "a1") {
       EXPECT_LT(p["ms_per_unit"].get<double>(), 100.0) << p.dump();
     }
@@ -1343,6 +1344,64 @@ TEST(CoreP2p, ARelayedHolderIsFetchedFromAgainOnceItsRelayEndsAndRelayedLongerIf
   ASSERT_TRUE(f.run(60, [&] { return done(f, third); }));
   EXPECT_EQ(f.status(third)["microbatches"]["lost"], 0);
   EXPECT_TRUE(f.logged("peer a0 is relayed for 60 s"));
+}
+
+// Tensors pushed to the peer listening at `listen` since the start: PUSHes to the holders naming
+// it, and hops asking for their output to be pushed there as it is made.
+uint64_t pushes_towards(const FakeSwarm& f, const std::string& listen) {
+  uint64_t n = 0;
+  for (const auto& [id, p] : f.peers)
+    for (const auto& m : p.received)
+      if (m.type == MsgType::kPush)
+        n += msg::read<msg::Push>(m).to == listen;
+      else if (m.type == MsgType::kForward || m.type == MsgType::kForwardLoss || m.type == MsgType::kBackward)
+        n += msg::read<msg::Hop>(m).push_to == listen;
+  return n;
+}
+
+bool pushed_to(FakeSwarm& f, const std::string& name) {
+  const json peers = f.core.peers_json(0, 100, f.now);
+  for (const json& p : peers["peers"])
+    if (p["name"] == name) return p["pushed_to"].get<bool>();
+  ADD_FAILURE() << name << " is not among the peers";
+  return false;
+}
+
+// A receiver most of whose pushes come late (a link congested for a while, or an address the
+// holders cannot reach) fetches instead for a while: 60 s, doubling while it recurs. Then it is
+// pushed to again, its counts started afresh. Before, it was never pushed to again in its session.
+TEST(CoreP2p, AReceiverWhosePushesComeLateIsNotPushedToForAWhileThenPushedToAgain) {
+  FakeSwarm f;
+  three_by_two_p2p(f);
+  const std::string b0 = f.peers.at("p-b0").listen;
+  f.peers.at("p-b0").pushes_late = true;
+  const uint64_t first = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(60, [&] { return f.logged("peer b0 is not pushed to for 60 s"); }));
+  EXPECT_FALSE(pushed_to(f, "b0"));
+  EXPECT_TRUE(pushed_to(f, "b1"));
+  ASSERT_TRUE(f.run(60, [&] { return done(f, first); }));
+  // Paused: its hops go on, and what it needs it fetches without waiting for pushes.
+  const uint64_t paused_at = pushes_towards(f, b0), fetched = f.peers.at("p-b0").fetched_bytes;
+  const uint64_t second = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(40, [&] { return done(f, second); }));
+  EXPECT_EQ(f.status(second)["microbatches"]["lost"], 0);
+  EXPECT_EQ(pushes_towards(f, b0), paused_at);
+  EXPECT_GT(f.peers.at("p-b0").fetched_bytes, fetched);
+  // Its link is fine again: once the pause ends, tensors are pushed to it, and it stays so.
+  f.peers.at("p-b0").pushes_late = false;
+  ASSERT_TRUE(f.run(60, [&] { return f.logged("peer b0 is pushed to again (paused 1 time(s) in a row)"); }));
+  EXPECT_TRUE(pushed_to(f, "b0"));
+  const uint64_t third = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(60, [&] { return done(f, third); }));
+  EXPECT_GT(pushes_towards(f, b0), paused_at);
+  EXPECT_TRUE(pushed_to(f, "b0"));
+  // Late again: paused again, for twice as long.
+  f.peers.at("p-b0").pushes_late = true;
+  const uint64_t fourth = f.submit(f.client(), FakeSwarm::tiny_spec(3, 4));
+  ASSERT_TRUE(f.run(60, [&] { return done(f, fourth); }));
+  EXPECT_EQ(f.status(fourth)["microbatches"]["lost"], 0);
+  EXPECT_TRUE(f.logged("peer b0 is not pushed to for 120 s"));
+  EXPECT_FALSE(pushed_to(f, "b0"));
 }
 
 TEST(CoreP2p, AHolderOnABusyLinkIsNotRelayedAndEachLateTensorGoesAgainDirectlyBeforeTheRouterRelaysIt) {

@@ -237,6 +237,15 @@ void FakeSwarm::answer(FakePeer& p, wire::Message& m) {
   const double ms = sim::work_units(req->type, sim::has_graph(p.book, *req));
   std::optional<wire::Message> r = sim::reply(p.book, *req, fetched, ms, now, p.quirks, payloads_);
   if (!r) return;
+  if (p.pushes_late && r->type == MsgType::kResult) {
+    int64_t late = 0;
+    for (const auto& ref : req->refs) late += ref.pushed;
+    if (late > 0) {
+      msg::Result res = msg::read<msg::Result>(*r);
+      res.push_late = late;
+      r->body = msg::pack(res);
+    }
+  }
   if (auto it = p.reply_after_s.find(m.type); it != p.reply_after_s.end())
     later_.emplace(now + it->second, std::make_pair(p.id, std::move(*r)));
   else

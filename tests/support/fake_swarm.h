@@ -43,6 +43,7 @@ struct FakePeer {
   std::string listen;
   bool unreachable = false;
   bool busy_link = false;   // reached, but what it holds never arrives within a receiver's window
+  bool pushes_late = false; // no tensor pushed to it arrives in time: it fetches each, and its RESULTs say so (push_late)
   uint64_t fetched_bytes = 0;
   std::vector<wire::Message> received;  // everything the router sent it
 };
