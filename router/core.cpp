@@ -25,11 +25,12 @@ uint64_t Ctx::request(Pending p, wire::Message m) {
   uint64_t bytes = p.reply_bytes;
   for (const wire::Tensor& t : m.tensors) bytes += t.desc.wire_bytes();
   for (const wire::TensorRef& r : m.refs) bytes += r.desc.wire_bytes();
-  p.deadline_s += timing::transfer_allowance_s(double(bytes));
+  Peer* peer = peers.find(p.peer);
+  p.deadline_s += timing::transfer_allowance_s(double(bytes), peer ? peer->s_per_mb : 0);
   // A reference the receiver cannot fetch is reported well before the deadline, so that the
   // router relays it on the next attempt instead of waiting out the receiver's own timeout.
   if (!m.refs.empty()) m.fetch_within_ms = timing::fetch_within_ms(p.deadline_s - now);
-  if (Peer* peer = peers.find(p.peer)) {
+  if (peer) {
     p.queued = peer->queued_units;
     peer->queued_units += p.units;
     peer->last_request_s = now;

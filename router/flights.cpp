@@ -493,9 +493,18 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
   if (r.fetched && !f.eval && !cfg_.echo) {
     // What the receiver fetched peer to peer, at most the tensor's size (its word is only a figure).
     const std::vector<int64_t>& got = *r.fetched;
-    if (got.size() > 0 && f.stage > 0 && f.at[s].input.held()) bytes_act += std::min<uint64_t>(uint64_t(got[0]), f.at[s].input.wire_bytes());
-    if (got.size() > 1 && f.kind == HopKind::kBackward && f.at[s].grad.held())
-      bytes_grad += std::min<uint64_t>(uint64_t(got[1]), f.at[s].grad.wire_bytes());
+    uint64_t came = 0;
+    if (got.size() > 0 && f.stage > 0 && f.at[s].input.held()) {
+      came = std::min<uint64_t>(uint64_t(got[0]), f.at[s].input.wire_bytes());
+      bytes_act += came;
+    }
+    if (got.size() > 1 && f.kind == HopKind::kBackward && f.at[s].grad.held()) {
+      const uint64_t b = std::min<uint64_t>(uint64_t(got[1]), f.at[s].grad.wire_bytes());
+      bytes_grad += b;
+      came += b;
+    }
+    // How long they took to come: the pace its later requests' deadlines allow for.
+    if (r.fetch_ms) Registry::fetched(p, double(came), *r.fetch_ms);
   }
   // The hop's output: its bytes (kept here), or a reference to the peer that holds it.
   auto take = [&]() { return Ctx::take_reply_tensor(p.id, pd.id, m, 0); };
@@ -620,8 +629,14 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, FetchMi
   f.req_id = 0;
   resent_hop(c, f, pd, false, why);
   fetch_failures++;
-  // A pushed tensor it had to fetch did not come by push either.
-  if (Peer* to = c.peers.find(pd.peer); to && slot < 8 && (pd.pushed >> slot) & 1u) late_pushes(c, *to, 1);
+  if (Peer* to = c.peers.find(pd.peer)) {
+    // A busy link: the tensor did not come within the window it was given, so the receiver's
+    // links are at least that slow. Its next deadlines allow for twice that pace, until its
+    // results time its transfers (RESULT.fetch_ms).
+    if (miss == FetchMiss::kBusyLink) Registry::fetched(*to, double(sl->wire_bytes()), 2000.0 * timing::fetch_window_of(pd.deadline_s - pd.sent_s));
+    // A pushed tensor it had to fetch did not come by push either.
+    if (slot < 8 && (pd.pushed >> slot) & 1u) late_pushes(c, *to, 1);
+  }
   HopFailure out;
   Peer* holder = c.peers.find(held->holder);
   if (!holder || miss == FetchMiss::kNotHeld) {

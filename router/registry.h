@@ -76,6 +76,10 @@ struct alignas(64) Peer {
   // for a while (Registry::pause_pushes) and fetches what it needs, then is pushed to again.
   uint64_t pushes_to = 0, pushes_late = 0;
   Spell no_push;
+  // timing::ema of the seconds per MB its requests' references took to reach it (RESULT.fetch_ms
+  // over the bytes it fetched or was pushed, of at least kPaceMinBytes); 0: not measured. Its
+  // requests' deadlines allow for their bytes at that pace (timing::transfer_allowance_s).
+  double s_per_mb = 0;
   // It samples its hops' tokens and targets from its own copy of the job's data (StageReady.data,
   // for the stage it last loaded): the router sends it none (Hop.own_tokens).
   bool samples_tokens = false;
@@ -185,6 +189,11 @@ class Registry {
   // claim to be more than 4x faster than it answers. Clamped to [kMinMsPerUnit, 1e9].
   static void measured(Peer& p, double compute_ms, double units, double latency_s, double queued_units);
   static constexpr double kMinMsPerUnit = 0.01;
+  // A result's references, `bytes` of them fetched or pushed, came in `fetch_ms`: the pace of the
+  // peer's links, learned where there were enough bytes to time (at most kMaxSPerMb: a peer
+  // cannot buy itself deadlines past what 100 kbit/s needs).
+  static void fetched(Peer& p, double bytes, double fetch_ms);
+  static constexpr double kPaceMinBytes = 64 << 10, kMaxSPerMb = 80;
 
   // Puts the peer on `stage` of `job` (0, -1: on none), and sets its state, keeping the index by
   // stage and its count of ready peers.

@@ -274,6 +274,7 @@ struct Result {
   std::optional<bool> cached;                 // BACKWARD: the forward's graph was still cached
   std::optional<std::vector<double>> codec_us;  // [act encode, act decode, grad encode, grad decode] [us]
   std::optional<double> compute_ms;           // compute time of a hop [ms], padded by --emulate
+  std::optional<double> fetch_ms;             // peer to peer: from the request's arrival until its last fetched or pushed tensor came [ms]
   std::optional<std::vector<int64_t>> fetched;  // bytes of each request tensor fetched from another peer (0: it was local or inline)
   std::optional<double> loss;                 // FORWARD_LOSS, last-stage EVAL: mean cross-entropy
   std::optional<double> loss_scale;           // STEP: the peer's loss scale after it (with loss scaling)
@@ -289,6 +290,7 @@ struct Result {
     v.field("cached", cached, kOptional);
     v.field("codec_us", codec_us, kOptional, size_t(4), 0.0, 1e15);
     v.field("compute_ms", compute_ms, kOptional, 0.0, kMaxMs);
+    v.field("fetch_ms", fetch_ms, kOptional, 0.0, kMaxMs);
     v.field("fetched", fetched, kOptional, size_t(4), int64_t(0), int64_t(limits::kMaxMessageBytes));
     v.field("loss", loss, kOptional, 0.0, 1e6);
     v.field("loss_scale", loss_scale, kOptional, 0.0, 1e30);

@@ -28,9 +28,12 @@ inline double deadline_s(double expect_s, double cap_s) {
 constexpr double kSlowLinkBytesPerS = 12.5e6;
 
 // What a deadline adds for `bytes` that must cross a link (a request's inputs, a reply's stage
-// state): four times their transfer at kSlowLinkBytesPerS. Never capped by the job's timeouts,
-// which bound compute: a gigabyte on a slow link is slow, not dead.
-inline double transfer_allowance_s(double bytes) { return 4.0 * bytes / kSlowLinkBytesPerS; }
+// state): four times their transfer at kSlowLinkBytesPerS, or at `s_per_mb` where the receiver's
+// transfers have been slower (RESULT.fetch_ms). Never capped by the job's timeouts, which bound
+// compute: a gigabyte on a slow link is slow, not dead.
+inline double transfer_allowance_s(double bytes, double s_per_mb = 0) {
+  return 4.0 * bytes * std::max(1.0 / kSlowLinkBytesPerS, s_per_mb / 1e6);
+}
 
 // How long a receiver waits for the tensors a request references before it answers
 // `unreachable`: three quarters of the time to the request's deadline (the last quarter, at least
@@ -40,6 +43,7 @@ constexpr uint32_t kMaxFetchWithinMs = 3600 * 1000;   // at most an hour
 inline uint32_t fetch_within_ms(double until_deadline_s) {
   return uint32_t(std::clamp(0.75 * until_deadline_s * 1000.0, 1.0, double(kMaxFetchWithinMs)));
 }
+inline double fetch_window_of(double until_deadline_s) { return fetch_within_ms(until_deadline_s) / 1000.0; }
 
 // A receiver whose holder sent it a tensor (a fetch's answer, a push) within this long, and who
 // then waits out a fetch's window from that holder, reports the holder as reached
@@ -55,8 +59,11 @@ inline double fetch_window_s(double own_timeout_s, uint32_t within_ms) {
 
 // How long a receiver waits for a pushed reference of `bytes` before it fetches it (PUSH: its
 // holder sent it when the router sent the request, so it is due about when the request is): a
-// second plus its bytes at 10 MB/s, within half the request's window.
-inline double push_wait_s(uint64_t bytes, double window_s) { return std::min(window_s / 2, 1.0 + double(bytes) / 10e6); }
+// second plus its bytes at 10 MB/s, or at `s_per_mb` where that is slower (the pace its holder's
+// tensors have come at), within half the request's window.
+inline double push_wait_s(uint64_t bytes, double window_s, double s_per_mb = 0) {
+  return std::min(window_s / 2, 1.0 + double(bytes) / 1e6 * std::max(0.1, s_per_mb));
+}
 
 // When a stage server's next heartbeat is due (seconds on its own clock), from when it sent the
 // last one and when it last sent the router anything (the heartbeat included). The router counts

@@ -25,6 +25,13 @@ std::unique_ptr<zmq::socket_t> socket_of(zmq::context_t& ctx, zmq::socket_type t
   return s;
 }
 
+// What a received message took on the wire: its frames' bytes.
+uint64_t frames_bytes(const wire::Received& r) {
+  uint64_t n = 0;
+  for (const zmq::message_t& f : r.frames) n += f.size();
+  return n;
+}
+
 }  // namespace
 
 PeerLink::PeerLink(zmq::context_t& ctx, const std::string& listen, const std::string& advertise, Holdings& holdings,
@@ -172,11 +179,17 @@ void PeerLink::on_push(wire::Message& m, double now) {
       w.got[i] = std::move(mine);
       w.fetched[r.slot] += int64_t(t.desc.wire_bytes());
       w.missing--;
-      heard_[holder_of(r)] = now;
+      arrived(holder_of(r), t.desc.wire_bytes(), w.arrived_s, now);
       used = true;
     }
   }
-  const bool given_up = late_.erase({f.key, uint32_t(f.part)}) > 0;
+  bool given_up = false;
+  if (auto g = late_.find({f.key, uint32_t(f.part)}); g != late_.end()) {
+    // Its request fetched it instead: the push came, at the pace of this link.
+    if (!used) arrived(g->second.holder, t.desc.wire_bytes(), g->second.since_s, now);
+    late_.erase(g);
+    given_up = true;
+  }
   if (used || given_up) return;
   early_[{f.key, uint32_t(f.part)}] = t.desc.wire_bytes();
   if (early_.size() > kMaxEarly) early_.erase(early_.begin());
@@ -211,6 +224,7 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
   w.msg = std::move(m);
   w.window_s = timing::fetch_window_s(fetch_timeout_s_, w.msg.fetch_within_ms);
   w.deadline = now + w.window_s;
+  w.arrived_s = now;
   w.got.resize(w.msg.refs.size());
   w.fetched.assign(w.msg.tensors.size() + w.msg.refs.size(), 0);
   w.push_until.assign(w.msg.refs.size(), 0);
@@ -245,7 +259,12 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
       }
     }
     if (r.pushed) {
-      w.push_until[i] = now + timing::push_wait_s(r.desc.wire_bytes(), w.window_s);   // on its way: fetched only if it is late
+      // On its way: fetched only if it is late, at the pace this holder's tensors have come at,
+      // behind those it is still pushing here.
+      const std::string holder = holder_of(r);
+      auto pace = s_per_mb_.find(holder);
+      w.push_until[i] = now + timing::push_wait_s(r.desc.wire_bytes() + pushes_awaited(holder), w.window_s,
+                                                  pace == s_per_mb_.end() ? 0 : pace->second);
       continue;
     }
     fetch(wid, w, i, now);
@@ -266,7 +285,7 @@ void PeerLink::fetch(uint64_t wid, Waiting& w, size_t i, double now) {
   f.part = int32_t(r.part);
   const uint64_t fid = next_fetch_++;
   wire::Message q = msg::make(wire::MsgType::kFetch, f, fid);
-  fetching_[fid] = Fetching{wid, i, holder, r.key, r.part};
+  fetching_[fid] = Fetching{wid, i, holder, r.key, r.part, now};
   fetches++;
   if (!wire::send(*dialer(dialers_, holder, r.from_key, now, kFetchQueue).sock, q)) fail(w, i, WireErrc::kUnreachable, "cannot queue a FETCH to " + r.from);
 }
@@ -283,6 +302,23 @@ void PeerLink::fail(Waiting& w, size_t ref, WireErrc code, const std::string& wh
   w.error = msg::make(e, w.msg.id, w.msg.attempt);
 }
 
+void PeerLink::arrived(const std::string& holder, uint64_t bytes, double since_s, double now) {
+  double& heard = heard_[holder];
+  const double from = std::max(since_s, heard);   // tensors back to back share the link: each is timed from the one before
+  heard = now;
+  if (bytes < kPaceMinBytes || now <= from) return;
+  double& pace = s_per_mb_[holder];
+  pace = timing::ema(pace, (now - from) / (double(bytes) / 1e6));
+}
+
+uint64_t PeerLink::pushes_awaited(const std::string& holder) const {
+  uint64_t bytes = 0;
+  for (const auto& [wid, w] : waiting_)
+    for (size_t i = 0; i < w.push_until.size(); ++i)
+      if (w.push_until[i] > 0 && !w.got[i] && holder_of(w.msg.refs[i]) == holder) bytes += w.msg.refs[i].desc.wire_bytes();
+  return bytes;
+}
+
 double PeerLink::heard_ago_s(const std::string& holder, double now) const {
   auto h = heard_.find(holder);
   return h == heard_.end() ? 1e300 : now - h->second;
@@ -290,7 +326,7 @@ double PeerLink::heard_ago_s(const std::string& holder, double now) const {
 
 void PeerLink::late_answer(uint64_t fid, const Fetching& fetch, wire::Received& r, double now) {
   if (auto l = late_fetches_.find({fetch.key, fetch.part}); l != late_fetches_.end() && l->second == fid) late_fetches_.erase(l);
-  heard_[fetch.address] = now;
+  arrived(fetch.address, frames_bytes(r), fetch.sent_s, now);
   try {
     wire::Message m = wire::decode(r.frames);
     if (m.type != wire::MsgType::kFetched || m.tensors.size() != 1) return;
@@ -313,7 +349,7 @@ void PeerLink::on_fetch_reply(wire::Received& r, const std::string& address, dou
   const Fetching fetch = f->second;
   fetching_.erase(f);
   if (fetch.request == 0) return late_answer(*fid, fetch, r, now);
-  heard_[address] = now;
+  arrived(address, frames_bytes(r), fetch.sent_s, now);
   auto wi = waiting_.find(fetch.request);
   if (wi == waiting_.end()) return;
   Waiting& w = wi->second;
@@ -357,7 +393,7 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
       if (w.push_until[i] > 0 && !w.got[i] && now >= w.push_until[i]) {
         push_late++;
         w.push_late++;
-        late_.insert({w.msg.refs[i].key, w.msg.refs[i].part});
+        late_[{w.msg.refs[i].key, w.msg.refs[i].part}] = GivenUp{w.arrived_s, holder_of(w.msg.refs[i])};
         if (late_.size() > kMaxEarly) late_.erase(late_.begin());
         fetch(it->first, w, i, now);
       }
@@ -384,6 +420,7 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
     r.seq = w.seq;
     r.fetched = std::move(w.fetched);
     r.push_late = w.push_late;
+    r.fetch_s = now - w.arrived_s;
     if (!w.error) {
       std::vector<wire::Tensor> got;
       for (auto& t : w.got) got.push_back(std::move(*t));

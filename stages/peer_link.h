@@ -14,8 +14,9 @@
 // PEER_KEYS (other stage servers of the swarm), and a dialer checks that the holder is who the
 // reference says (TensorRef.from_key). Pushes: on the router's PUSH a holder sends a tensor to
 // a hop's receiver before it is asked (an unasked FETCHED on the receiver's listen socket); the
-// receiver waits a while for a reference marked `pushed` (push_wait_s) before it fetches it, and
-// keeps a push that came before its request as a copy (timing::push_wait_s). A reference whose
+// receiver waits a while for a reference marked `pushed` (timing::push_wait_s, at the pace its
+// holder's tensors have come at) before it fetches it, and keeps a push that came before its
+// request as a copy. A reference whose
 // holder sent this peer a tensor lately (timing::kHeardWithinS) but not this one within the
 // window fails `unreachable` with `reached` (a busy link): its FETCH stays out, and a request
 // for the same tensor that comes again waits for that answer rather than asking a second time.
@@ -68,6 +69,7 @@ class PeerLink {
     std::vector<int64_t> fetched;      // bytes fetched from other peers, per request tensor
     std::optional<wire::Message> error;  // else: the ERROR to send the router instead
     int64_t push_late = 0;             // pushed references fetched after all (RESULT.push_late)
+    double fetch_s = 0;                // from its arrival until its last reference came (RESULT.fetch_ms)
   };
   // Requests resolved (or failed, timeouts included) since the last call.
   std::vector<Resolved> take(double now);
@@ -104,6 +106,7 @@ class PeerLink {
     std::vector<std::optional<wire::Tensor>> got;   // per reference
     std::vector<int64_t> fetched;                   // per request tensor
     std::vector<double> push_until;                 // per reference: waiting for its push until then (0: not)
+    double arrived_s = 0;   // when it came: the router sent the PUSHes of its references about then
     int64_t push_late = 0;
     size_t missing = 0;
     double window_s = 0;    // the wait allowed: --fetch-timeout-s, or less where the request asks
@@ -116,6 +119,12 @@ class PeerLink {
     std::string address;
     uint64_t key = 0;       // the tensor asked for
     uint32_t part = 0;
+    double sent_s = 0;
+  };
+  // A push given up on: when its request came, and from which holder (holder_of).
+  struct GivenUp {
+    double since_s = 0;
+    std::string holder;
   };
   // The socket to `address` (plus " key" under CURVE) in `in`, opened on first use: a fetcher
   // (dialers_, replies read) or a pusher (pushers_, at most kPushQueue queued, never read).
@@ -132,6 +141,12 @@ class PeerLink {
   void late_answer(uint64_t fid, const Fetching& fetch, wire::Received& r, double now);
   // Seconds since `holder` last sent this peer a tensor (a huge number: never).
   double heard_ago_s(const std::string& holder, double now) const;
+  // `bytes` from `holder` arrived (a FETCH's answer: asked for at `since_s`; a push: its request
+  // came then): heard from now, and the link's pace learned (s_per_mb_), timed from the later of
+  // `since_s` and its last arrival (tensors back to back share the link).
+  void arrived(const std::string& holder, uint64_t bytes, double since_s, double now);
+  // Bytes of the pushes from `holder` that requests here are waiting for.
+  uint64_t pushes_awaited(const std::string& holder) const;
 
   zmq::context_t& ctx_;
   std::optional<KeyPair> own_;
@@ -156,10 +171,16 @@ class PeerLink {
   std::map<std::pair<uint64_t, uint32_t>, uint64_t> early_;
   // Pushes given up on and fetched instead: one that still comes is not kept (its request has
   // what it needs, and the router may have released the copy already). Bounded as early_.
-  std::set<std::pair<uint64_t, uint32_t>> late_;
+  std::map<std::pair<uint64_t, uint32_t>, GivenUp> late_;
   static constexpr size_t kMaxEarly = 4096;
   // When each holder (holder_of) last sent this peer a tensor, fetched or pushed.
   std::map<std::string, double> heard_;
+  // Seconds per MB that each holder's tensors of at least kPaceMinBytes took to arrive here
+  // (timing::ema): a push from it is waited for at that pace, where it is slower than
+  // timing::push_wait_s assumes. On a slow or congested link, a push fetched again because it was
+  // not there at 10 MB/s crossed the link twice, and made the router stop pushing to this peer.
+  std::map<std::string, double> s_per_mb_;
+  static constexpr uint64_t kPaceMinBytes = 64 << 10;   // smaller ones time the link's latency, not its rate
   // FETCHes of a failed request still out to a holder heard from lately (fetching_ ids, by (key,
   // part)): the answer is kept as a copy, and a request for the same tensor takes the FETCH over.
   // Bounded as early_.

@@ -244,6 +244,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
   struct Fetched {
     std::vector<int64_t> bytes;   // per request tensor
     int64_t push_late = 0;        // pushes that did not come in time (PeerLink::Resolved)
+    double fetch_s = 0;           // until the last of them came
   };
   std::map<uint64_t, Fetched> fetched_by_id;
   // A reply from the compute thread, before it leaves: tensors kept and referenced, fetched
@@ -264,7 +265,10 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       msg::Result r = msg::read<msg::Result>(m);
       bool any = false;
       for (int64_t b : fetched->second.bytes) any |= b > 0;
-      if (any) r.fetched = fetched->second.bytes;
+      if (any) {
+        r.fetched = fetched->second.bytes;
+        r.fetch_ms = fetched->second.fetch_s * 1000.0;
+      }
       if (fetched->second.push_late > 0) r.push_late = fetched->second.push_late;
       m.body = msg::make(r).body;
     }
@@ -495,7 +499,7 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       }
       bool any = r.push_late > 0;
       for (int64_t b : r.fetched) any |= b > 0;
-      if (any) fetched_by_id[r.msg.id] = Fetched{std::move(r.fetched), r.push_late};
+      if (any) fetched_by_id[r.msg.id] = Fetched{std::move(r.fetched), r.push_late, r.fetch_s};
       inbox.push(std::move(r.msg), r.seq);
     }
     if (items[0].revents & ZMQ_POLLIN) {

@@ -45,11 +45,11 @@ wire::Message request_with_refs(const std::string& from, const wire::TensorDesc&
 }
 
 // Polls `link`, and `holder` unless it is null (a holder too busy to answer), until `link` has
-// resolved something (or `seconds` pass).
-std::vector<PeerLink::Resolved> pump_links(PeerLink* holder, PeerLink& link, double seconds) {
+// resolved something (or `seconds` pass). Their clock reads `from_s` as it starts.
+std::vector<PeerLink::Resolved> pump_links(PeerLink* holder, PeerLink& link, double seconds, double from_s = 0) {
   const auto t0 = Clock::now();
   for (;;) {
-    const double now = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double elapsed = std::chrono::duration<double>(Clock::now() - t0).count(), now = from_s + elapsed;
     std::vector<zmq::pollitem_t> items;
     if (holder) holder->add_poll_items(items);
     const size_t mine = items.size();
@@ -58,11 +58,11 @@ std::vector<PeerLink::Resolved> pump_links(PeerLink* holder, PeerLink& link, dou
     if (holder) holder->ready(items, 0, now);
     link.ready(items, mine, now);
     auto out = link.take(now);
-    if (!out.empty() || now > seconds) return out;
+    if (!out.empty() || elapsed > seconds) return out;
   }
 }
 
-std::vector<PeerLink::Resolved> pump(PeerLink& holder, PeerLink& link, double seconds = 5) { return pump_links(&holder, link, seconds); }
+std::vector<PeerLink::Resolved> pump(PeerLink& holder, PeerLink& link, double seconds = 5, double from_s = 0) { return pump_links(&holder, link, seconds, from_s); }
 std::vector<PeerLink::Resolved> pump_alone(PeerLink& link) { return pump_links(nullptr, link, 5); }
 
 msg::Error error_of(const PeerLink::Resolved& r) {
@@ -225,6 +225,53 @@ TEST(PeerLink, APushThatDoesNotComeIsFetchedOnceItIsLate) {
   for (int i = 0; i < 400 && p.link.pushed_in < 1; ++i) pump(p.holder, p.link, 0.005);
   ASSERT_EQ(p.link.pushed_in, 1u);
   EXPECT_EQ(p.mine.size(), 0u);
+}
+
+// A push is waited for at the pace its holder's tensors have come at, where that is slower than
+// the 10 MB/s timing::push_wait_s assumes: on a slow link a push fetched again once that wait
+// passed crossed the link twice, and three such made the router stop pushing to the peer.
+TEST(PeerLink, APushIsWaitedForAtThePaceItsHoldersTensorsHaveComeAt) {
+  zmq::context_t ctx{1};
+  Holdings held{8 << 20, 600, 60}, other_held{8 << 20, 600, 60}, mine{8 << 20, 600, 60};
+  PeerLink holder{ctx, "tcp://127.0.0.1:*", "", held, 60.0}, other{ctx, "tcp://127.0.0.1:*", "", other_held, 60.0};
+  PeerLink link{ctx, "tcp://127.0.0.1:*", "", mine, 60.0};
+  const size_t n = 100000;   // 400 KB a tensor
+  auto request = [&](PeerLink& from, Holdings& h, uint64_t key, bool pushed) {
+    wire::Tensor t = floats(n, float(key));
+    const wire::TensorDesc d = t.desc;
+    h.put(key, 0, std::move(t), false, 0);
+    wire::Message m = request_with_refs(from.address(), d, d);
+    m.refs.resize(1);
+    m.refs[0].key = key;
+    m.refs[0].pushed = pushed;
+    return m;
+  };
+  // Tensor 10 fetched from the holder, its answer read 8 s after the request came: 20 s a MB.
+  link.resolve(request(holder, held, 10, false), 1, 0);
+  auto out = pump(holder, link, 5, 8);
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_FALSE(out[0].error);
+  // Tensor 11 from the same holder, pushed, its request come at 10 s: not fetched at 11.04 s
+  // (1 s plus 400 KB at 10 MB/s), but waited for while it takes 9 s at that pace.
+  link.resolve(request(holder, held, 11, true), 2, 10);
+  EXPECT_TRUE(pump_links(nullptr, link, 0.1, 12).empty());
+  EXPECT_EQ(link.fetches, 1u);
+  EXPECT_EQ(link.push_late, 0u);
+  holder.push(push_of(11, link.address()), 12.5);
+  out = pump(holder, link, 5, 13);
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_FALSE(out[0].error);
+  EXPECT_EQ(out[0].push_late, 0);
+  EXPECT_EQ(link.fetches, 1u);
+  // Another holder, whose pace this peer has not seen: fetched once 10 MB/s would have brought it.
+  link.resolve(request(other, other_held, 12, true), 3, 20);
+  EXPECT_TRUE(pump_links(nullptr, link, 0.1, 21.1).empty());
+  EXPECT_EQ(link.push_late, 1u);
+  out = pump(other, link, 5, 21.2);
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_FALSE(out[0].error);
+  EXPECT_EQ(out[0].push_late, 1);
+  EXPECT_EQ(link.fetches, 2u);
 }
 
 TEST(PeerLink, ATensorItsHolderNoLongerHasFailsTheRequestNamingTheTensor) {
