@@ -26,7 +26,7 @@ uint64_t Ctx::request(Pending p, wire::Message m) {
   for (const wire::Tensor& t : m.tensors) bytes += t.desc.wire_bytes();
   for (const wire::TensorRef& r : m.refs) bytes += r.desc.wire_bytes();
   Peer* peer = peers.find(p.peer);
-  p.deadline_s += timing::transfer_allowance_s(double(bytes), peer ? peer->s_per_mb : 0);
+  p.deadline_s += timing::transfer_allowance_s(double(bytes), peer ? peers.pace(*peer) : 0);
   // A reference the receiver cannot fetch is reported well before the deadline, so that the
   // router relays it on the next attempt instead of waiting out the receiver's own timeout.
   if (!m.refs.empty()) m.fetch_within_ms = timing::fetch_within_ms(p.deadline_s - now);

@@ -504,7 +504,7 @@ HopOutcome Flights::on_result(Ctx& c, Peer& p, const Pending& pd, wire::Message&
       came += b;
     }
     // How long they took to come: the pace its later requests' deadlines allow for.
-    if (r.fetch_ms) Registry::fetched(p, double(came), *r.fetch_ms);
+    if (r.fetch_ms) c.peers.fetched(p, double(came), *r.fetch_ms);
   }
   // The hop's output: its bytes (kept here), or a reference to the peer that holds it.
   auto take = [&]() { return Ctx::take_reply_tensor(p.id, pd.id, m, 0); };
@@ -633,7 +633,7 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, FetchMi
     // A busy link: the tensor did not come within the window it was given, so the receiver's
     // links are at least that slow. Its next deadlines allow for twice that pace, until its
     // results time its transfers (RESULT.fetch_ms).
-    if (miss == FetchMiss::kBusyLink) Registry::fetched(*to, double(sl->wire_bytes()), 2000.0 * timing::fetch_window_of(pd.deadline_s - pd.sent_s));
+    if (miss == FetchMiss::kBusyLink) c.peers.fetched(*to, double(sl->wire_bytes()), 2000.0 * timing::fetch_window_of(pd.deadline_s - pd.sent_s));
     // A pushed tensor it had to fetch did not come by push either.
     if (slot < 8 && (pd.pushed >> slot) & 1u) late_pushes(c, *to, 1);
   }

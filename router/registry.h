@@ -78,7 +78,7 @@ struct alignas(64) Peer {
   Spell no_push;
   // timing::ema of the seconds per MB its requests' references took to reach it (RESULT.fetch_ms
   // over the bytes it fetched or was pushed, of at least kPaceMinBytes); 0: not measured. Its
-  // requests' deadlines allow for their bytes at that pace (timing::transfer_allowance_s).
+  // requests' deadlines allow for their bytes at that pace (Registry::pace).
   double s_per_mb = 0;
   // It samples its hops' tokens and targets from its own copy of the job's data (StageReady.data,
   // for the stage it last loaded): the router sends it none (Hop.own_tokens).
@@ -191,9 +191,13 @@ class Registry {
   static constexpr double kMinMsPerUnit = 0.01;
   // A result's references, `bytes` of them fetched or pushed, came in `fetch_ms`: the pace of the
   // peer's links, learned where there were enough bytes to time (at most kMaxSPerMb: a peer
-  // cannot buy itself deadlines past what 100 kbit/s needs).
-  static void fetched(Peer& p, double bytes, double fetch_ms);
+  // cannot buy itself deadlines past what 100 kbit/s needs), and the swarm's.
+  void fetched(Peer& p, double bytes, double fetch_ms);
   static constexpr double kPaceMinBytes = 64 << 10, kMaxSPerMb = 80;
+  // The pace a request to `p` allows its bytes (timing::transfer_allowance_s): its own, or until
+  // it has one, the swarm's (the same EMA over every peer's samples): a swarm on slow links gives
+  // a peer's first transfers the time they will take, not 100 Mbit/s's.
+  double pace(const Peer& p) const { return p.s_per_mb > 0 ? p.s_per_mb : s_per_mb_; }
 
   // Puts the peer on `stage` of `job` (0, -1: on none), and sets its state, keeping the index by
   // stage and its count of ready peers.
@@ -249,6 +253,7 @@ class Registry {
   uint64_t next_seq_ = 1;
   uint64_t bans_total_ = 0;
   uint64_t ready_changes_ = 0;
+  double s_per_mb_ = 0;   // the swarm's pace (fetched)
   std::map<PeerId, Peer> peers_;
   std::vector<std::pair<PeerId, SpellKind>> spells_;   // spells started, until spells_ended() ends them
   void start(Peer& p, SpellKind k, double now);

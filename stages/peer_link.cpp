@@ -179,6 +179,7 @@ void PeerLink::on_push(wire::Message& m, double now) {
       w.got[i] = std::move(mine);
       w.fetched[r.slot] += int64_t(t.desc.wire_bytes());
       w.missing--;
+      w.came_s = now;
       arrived(holder_of(r), t.desc.wire_bytes(), w.arrived_s, now);
       used = true;
     }
@@ -236,6 +237,7 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
       w.got[i] = std::move(t);  // made, fetched or pushed here before
       if (auto e = early_.find({r.key, r.part}); e != early_.end()) {
         w.fetched[r.slot] += int64_t(e->second);   // pushed (or a late fetch's answer) before the request came: it crossed a link for it
+        w.early = true;
         early_.erase(e);
         // Kept for this request alone: an EVAL or a round uses it once.
         if (!msg::Hop::keeps_copies(w.msg.type)) holdings_.drop(r.key, r.part);
@@ -255,6 +257,7 @@ void PeerLink::resolve(wire::Message m, uint64_t seq, double now) {
       if (f != fetching_.end() && f->second.address == holder_of(r) && dialers_.count(f->second.address)) {
         f->second.request = wid;
         f->second.ref = i;
+        w.early = true;
         continue;
       }
     }
@@ -370,6 +373,7 @@ void PeerLink::on_fetch_reply(wire::Received& r, const std::string& address, dou
     fetch_bytes += m.tensors[0].desc.wire_bytes();
     fetched_from[address] += m.tensors[0].desc.wire_bytes();
     w.fetched[ref.slot] += int64_t(m.tensors[0].desc.wire_bytes());
+    w.came_s = now;
     w.got[fetch.ref] = std::move(m.tensors[0]);
     w.missing--;
   } catch (const InputError& e) {
@@ -420,7 +424,7 @@ std::vector<PeerLink::Resolved> PeerLink::take(double now) {
     r.seq = w.seq;
     r.fetched = std::move(w.fetched);
     r.push_late = w.push_late;
-    r.fetch_s = now - w.arrived_s;
+    r.fetch_s = !w.early && w.came_s > 0 ? w.came_s - w.arrived_s : 0;
     if (!w.error) {
       std::vector<wire::Tensor> got;
       for (auto& t : w.got) got.push_back(std::move(*t));

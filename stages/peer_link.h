@@ -69,7 +69,7 @@ class PeerLink {
     std::vector<int64_t> fetched;      // bytes fetched from other peers, per request tensor
     std::optional<wire::Message> error;  // else: the ERROR to send the router instead
     int64_t push_late = 0;             // pushed references fetched after all (RESULT.push_late)
-    double fetch_s = 0;                // from its arrival until its last reference came (RESULT.fetch_ms)
+    double fetch_s = 0;                // from its arrival until its last fetched or pushed reference came (RESULT.fetch_ms); 0: none, or one came before it
   };
   // Requests resolved (or failed, timeouts included) since the last call.
   std::vector<Resolved> take(double now);
@@ -107,6 +107,10 @@ class PeerLink {
     std::vector<int64_t> fetched;                   // per request tensor
     std::vector<double> push_until;                 // per reference: waiting for its push until then (0: not)
     double arrived_s = 0;   // when it came: the router sent the PUSHes of its references about then
+    // When the last of its tensors that crossed a link after it came arrived; whether one had come
+    // (or been asked for) before it: then that time is not its transfers' (Resolved::fetch_s).
+    double came_s = 0;
+    bool early = false;
     int64_t push_late = 0;
     size_t missing = 0;
     double window_s = 0;    // the wait allowed: --fetch-timeout-s, or less where the request asks

@@ -265,10 +265,8 @@ int run_stage_server(const StageOptions& opt, std::atomic<bool>& stop) {
       msg::Result r = msg::read<msg::Result>(m);
       bool any = false;
       for (int64_t b : fetched->second.bytes) any |= b > 0;
-      if (any) {
-        r.fetched = fetched->second.bytes;
-        r.fetch_ms = fetched->second.fetch_s * 1000.0;
-      }
+      if (any) r.fetched = fetched->second.bytes;
+      if (fetched->second.fetch_s > 0) r.fetch_ms = fetched->second.fetch_s * 1000.0;
       if (fetched->second.push_late > 0) r.push_late = fetched->second.push_late;
       m.body = msg::make(r).body;
     }

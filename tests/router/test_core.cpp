@@ -1404,6 +1404,48 @@ TEST(CoreP2p, AReceiverWhosePushesComeLateIsNotPushedToForAWhileThenPushedToAgai
   EXPECT_FALSE(pushed_to(f, "b0"));
 }
 
+// The router learns each peer's pace from its RESULTs (fetch_ms over the bytes fetched) and
+// gives a request's bytes four times that long where it is slower than 100 Mbit/s; a peer not
+// timed yet gets the swarm's. Before, every request allowed 100 Mbit/s: on a 2 Mbit/s link a
+// 512 KB tensor came after its fetch window, and a stage-0 peer, whose forwards fetch nothing,
+// met its first gradient with a window for 100 Mbit/s.
+TEST(CoreP2p, RequestsAllowTheirBytesAtThePaceThePeersLinksHaveShown) {
+  FakeSwarm f;
+  three_by_two_p2p(f);
+  const double pace = 8;   // 1 Mbit/s
+  for (auto& [id, p] : f.peers) p.fetch_s_per_mb = pace;
+  json spec = FakeSwarm::tiny_spec(3, 4);
+  spec["model"]["d_model"] = 256;
+  spec["model"]["seq_len"] = 64;   // 128 KB of activations a microbatch in bf16
+  const uint64_t job = f.submit(f.client(), spec);
+  ASSERT_TRUE(f.run(60, [&] { return done(f, job); }));
+  EXPECT_EQ(f.status(job)["microbatches"]["lost"], 0);
+  // Of the hops with references each peer was sent, those whose fetch window allows their
+  // references at that pace, and all of them.
+  auto paced = [&](const PeerId& id) {
+    std::pair<size_t, size_t> n{0, 0};
+    for (const wire::Message& m : f.peers.at(id).received) {
+      if (m.refs.empty() || !m.fetch_within_ms) continue;
+      double bytes = 0;
+      for (const auto& r : m.refs) bytes += double(r.desc.wire_bytes());
+      n.second++;
+      n.first += m.fetch_within_ms / 1000.0 >= 0.75 * 4 * bytes / 1e6 * pace * 0.99;
+    }
+    return n;
+  };
+  for (const char* name : {"p-b0", "p-b1", "p-c0", "p-c1"}) {
+    const auto [at_pace, all] = paced(name);
+    EXPECT_GT(all, 4u) << name;
+    EXPECT_GE(at_pace + 2, all) << name << ": only its first requests, before any result, allow 100 Mbit/s";
+  }
+  // Stage 0's forwards fetch nothing: its first backwards are given the swarm's pace.
+  for (const char* name : {"p-a0", "p-a1"}) {
+    const auto [at_pace, all] = paced(name);
+    EXPECT_GT(all, 2u) << name;
+    EXPECT_EQ(at_pace, all) << name;
+  }
+}
+
 TEST(CoreP2p, AHolderOnABusyLinkIsNotRelayedAndEachLateTensorGoesAgainDirectlyBeforeTheRouterRelaysIt) {
   // Receivers that heard from a0 lately cannot get its tensors in their windows: a full link,
   // not a cut one. Before, two such misses relayed a0 for a while, and every tensor it made

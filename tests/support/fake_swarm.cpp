@@ -157,6 +157,7 @@ void FakeSwarm::take(Actions actions) {
         for (auto& t : s->msg.tensors) p.received.back().tensors.push_back(wire::share(t));
         p.received.back().refs = s->msg.refs;
         p.received.back().hold = s->msg.hold;
+        p.received.back().fetch_within_ms = s->msg.fetch_within_ms;
         if (p.silent_from && *p.silent_from == s->msg.type) p.silent = true;
         if (p.auto_answer && !p.silent) answer(p, s->msg);
       } else if (to_clients.count(s->to)) {
@@ -237,14 +238,14 @@ void FakeSwarm::answer(FakePeer& p, wire::Message& m) {
   const double ms = sim::work_units(req->type, sim::has_graph(p.book, *req));
   std::optional<wire::Message> r = sim::reply(p.book, *req, fetched, ms, now, p.quirks, payloads_);
   if (!r) return;
-  if (p.pushes_late && r->type == MsgType::kResult) {
-    int64_t late = 0;
+  if ((p.pushes_late || p.fetch_s_per_mb > 0) && r->type == MsgType::kResult) {
+    int64_t late = 0, bytes = 0;
     for (const auto& ref : req->refs) late += ref.pushed;
-    if (late > 0) {
-      msg::Result res = msg::read<msg::Result>(*r);
-      res.push_late = late;
-      r->body = msg::pack(res);
-    }
+    for (int64_t b : fetched) bytes += b;
+    msg::Result res = msg::read<msg::Result>(*r);
+    if (p.pushes_late && late > 0) res.push_late = late;
+    if (p.fetch_s_per_mb > 0 && bytes > 0) res.fetch_ms = double(bytes) / 1e6 * p.fetch_s_per_mb * 1000.0;
+    r->body = msg::pack(res);
   }
   if (auto it = p.reply_after_s.find(m.type); it != p.reply_after_s.end())
     later_.emplace(now + it->second, std::make_pair(p.id, std::move(*r)));

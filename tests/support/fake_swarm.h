@@ -44,6 +44,7 @@ struct FakePeer {
   bool unreachable = false;
   bool busy_link = false;   // reached, but what it holds never arrives within a receiver's window
   bool pushes_late = false; // no tensor pushed to it arrives in time: it fetches each, and its RESULTs say so (push_late)
+  double fetch_s_per_mb = 0;  // its RESULTs say the tensors it fetched took this long a MB to come (fetch_ms)
   uint64_t fetched_bytes = 0;
   std::vector<wire::Message> received;  // everything the router sent it
 };
