@@ -633,7 +633,7 @@ HopFailure Flights::on_fetch_failed(Ctx& c, const Pending& pd, int slot, FetchMi
     // A busy link: the tensor did not come within the window it was given, so the receiver's
     // links are at least that slow. Its next deadlines allow for twice that pace, until its
     // results time its transfers (RESULT.fetch_ms).
-    if (miss == FetchMiss::kBusyLink) c.peers.fetched(*to, double(sl->wire_bytes()), 2000.0 * timing::fetch_window_of(pd.deadline_s - pd.sent_s));
+    if (miss == FetchMiss::kBusyLink) c.peers.fetched(*to, double(sl->wire_bytes()), 2000.0 * timing::fetch_window_of(pd.deadline_s - pd.sent_s), false);
     // A pushed tensor it had to fetch did not come by push either.
     if (slot < 8 && (pd.pushed >> slot) & 1u) late_pushes(c, *to, 1);
   }

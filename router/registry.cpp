@@ -292,11 +292,11 @@ void Registry::measured(Peer& p, double compute_ms, double units, double latency
   p.turnaround_ms = timing::ema(p.turnaround_ms, std::clamp(observed, kMinMsPerUnit, 1e9));
 }
 
-void Registry::fetched(Peer& p, double bytes, double fetch_ms) {
+void Registry::fetched(Peer& p, double bytes, double fetch_ms, bool timed) {
   if (bytes < kPaceMinBytes || fetch_ms <= 0) return;
   const double sample = std::min(kMaxSPerMb, fetch_ms / 1000.0 / (bytes / 1e6));
   p.s_per_mb = timing::ema(p.s_per_mb, sample);
-  s_per_mb_ = timing::ema(s_per_mb_, sample);
+  if (timed) s_per_mb_ = timing::ema(s_per_mb_, sample);
 }
 
 std::vector<Peer*> Registry::stage_peers(uint64_t job, int stage, double now, bool ready_only) {

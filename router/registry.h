@@ -191,8 +191,9 @@ class Registry {
   static constexpr double kMinMsPerUnit = 0.01;
   // A result's references, `bytes` of them fetched or pushed, came in `fetch_ms`: the pace of the
   // peer's links, learned where there were enough bytes to time (at most kMaxSPerMb: a peer
-  // cannot buy itself deadlines past what 100 kbit/s needs), and the swarm's.
-  void fetched(Peer& p, double bytes, double fetch_ms);
+  // cannot buy itself deadlines past what 100 kbit/s needs), and the swarm's. `timed`: false
+  // for a guess (a busy link's failure), which sets the peer's pace alone.
+  void fetched(Peer& p, double bytes, double fetch_ms, bool timed = true);
   static constexpr double kPaceMinBytes = 64 << 10, kMaxSPerMb = 80;
   // The pace a request to `p` allows its bytes (timing::transfer_allowance_s): its own, or until
   // it has one, the swarm's (the same EMA over every peer's samples): a swarm on slow links gives
