@@ -344,8 +344,8 @@ int main(int argc, char** argv) {
       if (as_json) {
         std::cout << rep.dump() << std::endl;
       } else {
-        std::printf("%-16s %-20s %-6s %-8s %-8s %-7s %-7s %-6s %-10s %-8s %s\n", "ID", "NAME", "STAGE", "STATE", "DEVICE", "MEMORY", "FREE",
-                    "CACHE", "MS/UNIT", "HOPS", "EMULATED");
+        std::printf("%-16s %-20s %-6s %-8s %-8s %-7s %-7s %-6s %-10s %-8s %-9s %s\n", "ID", "NAME", "STAGE", "STATE", "DEVICE", "MEMORY", "FREE",
+                    "CACHE", "MS/UNIT", "HOPS", "LINK", "EMULATED");
         // GiB (MiB under one GiB: a --memory-mb cap), "-" when the peer did not say (FREE: free
         // when it said HELLO, before it loaded a stage).
         auto gib = [](const json& p, const char* key) {
@@ -363,10 +363,14 @@ int main(int argc, char** argv) {
           // CACHE: the forward graphs its affinity cache may keep for its stage ("-" before one is loaded).
           const json entries = p["heartbeat"].value("cache_entries", json(nullptr));
           const std::string cache = entries.is_number() ? std::to_string(entries.get<int64_t>()) : "-";
-          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-7s %-6s %-10.2f %-8s %s\n", wire::printable_id(wire::id_from_json(p["id"])).c_str(), p["name"].get<std::string>().c_str(),
+          // LINK: the pace the router has timed its tensors coming at, in Mbit/s ("-": not timed yet).
+          const json pace = p.value("s_per_mb", json(nullptr));
+          char link[32] = "-";
+          if (pace.is_number() && pace.get<double>() > 0) std::snprintf(link, sizeof(link), "%.3gMb/s", 8.0 / pace.get<double>());
+          std::printf("%-16s %-20s %-6d %-8s %-8s %-7s %-7s %-6s %-10.2f %-8s %-9s %s\n", wire::printable_id(wire::id_from_json(p["id"])).c_str(), p["name"].get<std::string>().c_str(),
                       p["stage"].get<int>(), p["state"].get<std::string>().c_str(), p.value("device_name", p["device"].get<std::string>()).c_str(),
                       gib(p, "device_memory_bytes").c_str(), gib(p, "device_memory_free_bytes").c_str(), cache.c_str(), p["ms_per_unit"].get<double>(),
-                      p.value("relayed", true) ? "relayed" : "direct",
+                      p.value("relayed", true) ? "relayed" : "direct", link,
                       p["emulate"].get<double>() > 1 ? (p["profile"].get<std::string>().empty() ? (std::to_string(p["emulate"].get<double>()) + "x").c_str() : p["profile"].get<std::string>().c_str()) : "-");
         }
       }

@@ -1438,6 +1438,12 @@ TEST(CoreP2p, RequestsAllowTheirBytesAtThePaceThePeersLinksHaveShown) {
     EXPECT_GT(all, 4u) << name;
     EXPECT_GE(at_pace + 2, all) << name << ": only its first requests, before any result, allow 100 Mbit/s";
   }
+  // `swarm peers` shows each timed peer's pace.
+  const json peers = f.core.peers_json(0, 100, f.now);
+  for (const json& p : peers["peers"]) {
+    ASSERT_TRUE(p["s_per_mb"].is_number()) << p.dump();
+    EXPECT_NEAR(p["s_per_mb"].get<double>(), pace, 0.01) << p.dump();
+  }
   // Stage 0's forwards fetch nothing: its first backwards are given the swarm's pace.
   for (const char* name : {"p-a0", "p-a1"}) {
     const auto [at_pace, all] = paced(name);
