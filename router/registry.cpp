@@ -293,7 +293,7 @@ void Registry::measured(Peer& p, double compute_ms, double units, double latency
 }
 
 void Registry::fetched(Peer& p, double bytes, double fetch_ms, bool timed) {
-  if (bytes < kPaceMinBytes || fetch_ms <= 0) return;
+  if (bytes < double(timing::kPaceMinBytes) || fetch_ms <= 0) return;
   const double sample = std::min(kMaxSPerMb, fetch_ms / 1000.0 / (bytes / 1e6));
   p.s_per_mb = timing::ema(p.s_per_mb, sample);
   if (timed) s_per_mb_ = timing::ema(s_per_mb_, sample);

@@ -77,7 +77,7 @@ struct alignas(64) Peer {
   uint64_t pushes_to = 0, pushes_late = 0;
   Spell no_push;
   // timing::ema of the seconds per MB its requests' references took to reach it (RESULT.fetch_ms
-  // over the bytes it fetched or was pushed, of at least kPaceMinBytes); 0: not measured. Its
+  // over the bytes it fetched or was pushed, of at least timing::kPaceMinBytes); 0: not measured. Its
   // requests' deadlines allow for their bytes at that pace (Registry::pace).
   double s_per_mb = 0;
   // It samples its hops' tokens and targets from its own copy of the job's data (StageReady.data,
@@ -194,9 +194,9 @@ class Registry {
   // cannot buy itself deadlines past what 100 kbit/s needs), and the swarm's. `timed`: false
   // for a guess (a busy link's failure), which sets the peer's pace alone.
   void fetched(Peer& p, double bytes, double fetch_ms, bool timed = true);
-  static constexpr double kPaceMinBytes = 64 << 10, kMaxSPerMb = 80;
+  static constexpr double kMaxSPerMb = 80;
   // The pace a request to `p` allows its bytes (timing::transfer_allowance_s): its own, or until
-  // it has one, the swarm's (the same EMA over every peer's samples): a swarm on slow links gives
+  // it has one, the swarm's (the same EMA over every peer's timed samples): a swarm on slow links gives
   // a peer's first transfers the time they will take, not 100 Mbit/s's.
   double pace(const Peer& p) const { return p.s_per_mb > 0 ? p.s_per_mb : s_per_mb_; }
 

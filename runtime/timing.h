@@ -27,6 +27,10 @@ inline double deadline_s(double expect_s, double cap_s) {
 // The slowest link a deadline allows for without being told: 100 Mbit/s, a home uplink.
 constexpr double kSlowLinkBytesPerS = 12.5e6;
 
+// The least bytes a transfer must carry to time a link's pace (seconds per MB: PeerLink's per
+// holder, the router's per peer): under it, the time is the link's latency more than its rate.
+constexpr uint64_t kPaceMinBytes = 64 << 10;
+
 // What a deadline adds for `bytes` that must cross a link (a request's inputs, a reply's stage
 // state): four times their transfer at kSlowLinkBytesPerS, or at `s_per_mb` where the receiver's
 // transfers have been slower (RESULT.fetch_ms). Never capped by the job's timeouts, which bound

@@ -309,7 +309,7 @@ void PeerLink::arrived(const std::string& holder, uint64_t bytes, double since_s
   double& heard = heard_[holder];
   const double from = std::max(since_s, heard);   // tensors back to back share the link: each is timed from the one before
   heard = now;
-  if (bytes < kPaceMinBytes || now <= from) return;
+  if (bytes < timing::kPaceMinBytes || now <= from) return;
   double& pace = s_per_mb_[holder];
   pace = timing::ema(pace, (now - from) / (double(bytes) / 1e6));
 }

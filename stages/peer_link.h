@@ -179,12 +179,11 @@ class PeerLink {
   static constexpr size_t kMaxEarly = 4096;
   // When each holder (holder_of) last sent this peer a tensor, fetched or pushed.
   std::map<std::string, double> heard_;
-  // Seconds per MB that each holder's tensors of at least kPaceMinBytes took to arrive here
+  // Seconds per MB that each holder's tensors of at least timing::kPaceMinBytes took to arrive here
   // (timing::ema): a push from it is waited for at that pace, where it is slower than
   // timing::push_wait_s assumes. On a slow or congested link, a push fetched again because it was
   // not there at 10 MB/s crossed the link twice, and made the router stop pushing to this peer.
   std::map<std::string, double> s_per_mb_;
-  static constexpr uint64_t kPaceMinBytes = 64 << 10;   // smaller ones time the link's latency, not its rate
   // FETCHes of a failed request still out to a holder heard from lately (fetching_ ids, by (key,
   // part)): the answer is kept as a copy, and a request for the same tensor takes the FETCH over.
   // Bounded as early_.
