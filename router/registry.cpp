@@ -225,8 +225,8 @@ void Registry::ban(Peer& p, double now) {
 }
 
 void Registry::start(Peer& p, SpellKind k, double now) {
-  const bool relay = k == SpellKind::kRelay;
-  const double base = relay ? kRelayBaseS : kNoPushBaseS, cap = relay ? kRelayCapS : kNoPushCapS;
+  const bool relaying = k == SpellKind::kRelay;
+  const double base = relaying ? kRelayBaseS : kNoPushBaseS, cap = relaying ? kRelayCapS : kNoPushCapS;
   Spell& sp = spell(p, k);
   if (now - sp.ended_s > cap) sp.times = 0;
   sp.times++;
@@ -241,9 +241,10 @@ std::vector<Registry::SpellEnded> Registry::spells_ended(double now) {
   size_t keep = 0;
   for (size_t i = 0; i < spells_.size(); ++i) {
     Peer* p = find(spells_[i].first);
+    if (!p) continue;   // gone (a peer that rejoins starts afresh)
     const SpellKind k = spells_[i].second;
-    if (!p || !spell(*p, k).on) continue;   // gone (a peer that rejoins starts afresh)
     Spell& sp = spell(*p, k);
+    if (!sp.on) continue;
     if (now < sp.until_s) {
       if (keep != i) spells_[keep] = std::move(spells_[i]);
       keep++;
